@@ -1,0 +1,213 @@
+"""Run configuration: typed, validated up front, frozen into the run directory.
+
+One loader (`load_config`) serves the CLI, the local runner and the Airflow DAGs. Unknown keys,
+wrong types and bad values fail with a one-line `ConfigError` that names the field, the value and
+the fix, before any model or dataset is loaded.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+RUN_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+
+
+class ConfigError(ValueError):
+    """A bad config value; the message is one line naming the field and the fix."""
+
+
+def validate_run_id(run_id: str) -> str:
+    """Run ids end up in paths: allow only [A-Za-z0-9._-], no leading dot/dash, no '..'."""
+    if not isinstance(run_id, str) or not RUN_ID_RE.match(run_id) or ".." in run_id:
+        raise ConfigError(
+            f"run_id: invalid value {run_id!r}; use 1-128 characters from [A-Za-z0-9._-], "
+            "starting with a letter or digit, without '..'"
+        )
+    return run_id
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelConfig(_Section):
+    path: str = "builtin:sort"
+    """A Hugging Face model folder (local path or fsspec URL), or `builtin:<task>` for the tiny model."""
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """Training/inference dtype; use float32 on CPU (bf16 is slower there)."""
+
+
+class DataConfig(_Section):
+    train: str = "builtin:sort"
+    """Training prompts: Parquet file/URL in verl's columns, or `builtin:<task>`."""
+    eval: str = "builtin:sort"
+    """Held-out prompts, same format; `builtin:<task>` uses the task's held-out split."""
+    max_prompt_tokens: int = Field(128, gt=0)
+    """Prompts longer than this are rejected when the data is staged."""
+    eval_size: int = Field(256, gt=0)
+    """Held-out prompts used for evaluation (the first N)."""
+
+
+class RewardConfig(_Section):
+    fn: str = "sort"
+    """Registered reward name (`sort`, `digit`, ...) or `path/to/file.py:function` (verl signature)."""
+
+
+class SamplerConfig(_Section):
+    backend: Literal["hf", "vllm"] = "hf"
+    """Generation engine: `hf` (transformers generate) or `vllm`."""
+    group_size: int = Field(8, ge=2)
+    """Completions per prompt (the GRPO group)."""
+    prompts_per_batch: int = Field(16, gt=0)
+    """Prompts per generation call; one rollout shard per call."""
+    max_new_tokens: int = Field(16, gt=0)
+    temperature: float = Field(1.0, gt=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    max_staleness: int = Field(2, ge=0)
+    """The sampler waits rather than produce data more than this many versions behind the trainer."""
+    threads: int = Field(1, gt=0)
+    """torch intra-op threads of the sampler process."""
+    poll_s: float = Field(0.2, gt=0)
+    """How often a waiting sampler looks for a new policy version or a stop marker."""
+    vllm: dict[str, Any] = Field(default_factory=dict)
+    """Extra engine arguments for the vllm backend (tensor_parallel_size, gpu_memory_utilization, ...)."""
+
+
+class TrainerConfig(_Section):
+    algorithm: Literal["grpo"] = "grpo"
+    steps: int = Field(50, gt=0)
+    """Optimizer steps on fresh data."""
+    groups_per_step: int = Field(16, gt=0)
+    """Prompt groups consumed per optimizer step."""
+    lr: float = Field(1e-3, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    max_grad_norm: float = Field(1.0, gt=0)
+    clip_eps: float = Field(0.2, gt=0)
+    """PPO ratio clip range against the behaviour policy."""
+    kl_coef: float = Field(0.0, ge=0)
+    """Weight of the k3 KL penalty to the frozen initial policy (0 disables the reference model)."""
+    std_normalize: bool = True
+    """Divide group-centred rewards by the group's standard deviation (GRPO); off gives Dr.GRPO."""
+    loss_agg: Literal["token-mean", "seq-mean-token-mean"] = "token-mean"
+    sync_every: int = Field(1, gt=0)
+    """Publish a new policy version for the sampler every N steps."""
+    threads: int = Field(1, gt=0)
+    """torch intra-op threads of the trainer process."""
+    log_every: int = Field(5, gt=0)
+    """Steps between progress log lines."""
+    wait_timeout_s: float = Field(600.0, gt=0)
+    """Fail if no fresh rollouts arrive for this long."""
+
+
+class BufferConfig(_Section):
+    shard_compression: Literal["zstd", "snappy", "none"] = "zstd"
+    writer_queue: int = Field(8, gt=0)
+    """Shards queued in the asynchronous writer before `write` blocks."""
+
+
+class EvalConfig(_Section):
+    max_new_tokens: int | None = None
+    """Defaults to sampler.max_new_tokens."""
+    batch_size: int = Field(64, gt=0)
+
+
+class RunConfig(_Section):
+    run_id: str | None = None
+    """Run name used in paths; generated from the time when empty."""
+    seed: int = 0
+    model: ModelConfig = ModelConfig()
+    data: DataConfig = DataConfig()
+    reward: RewardConfig = RewardConfig()
+    sampler: SamplerConfig = SamplerConfig()
+    trainer: TrainerConfig = TrainerConfig()
+    buffer: BufferConfig = BufferConfig()
+    eval: EvalConfig = EvalConfig()
+
+    @field_validator("run_id")
+    @classmethod
+    def _run_id(cls, v: str | None) -> str | None:
+        return None if v is None else validate_run_id(v)
+
+    @model_validator(mode="after")
+    def _cross(self) -> "RunConfig":
+        if self.trainer.groups_per_step % self.sampler.prompts_per_batch and \
+                self.sampler.prompts_per_batch % self.trainer.groups_per_step:
+            raise ValueError(
+                f"trainer.groups_per_step={self.trainer.groups_per_step} and "
+                f"sampler.prompts_per_batch={self.sampler.prompts_per_batch}: one must divide the other"
+            )
+        return self
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
+
+
+def _format_error(err: ValidationError) -> str:
+    e = err.errors()[0]
+    loc = ".".join(str(p) for p in e["loc"]) or "config"
+    kind = e["type"]
+    if kind == "extra_forbidden":
+        parent = e["loc"][:-1]
+        model: type[BaseModel] = RunConfig
+        for p in parent:
+            field = model.model_fields.get(str(p))
+            if field is None or not (isinstance(field.annotation, type)
+                                     and issubclass(field.annotation, BaseModel)):
+                break
+            model = field.annotation
+        valid = ", ".join(model.model_fields)
+        return f"unknown config key '{loc}'; remove it or use one of: {valid}"
+    if kind == "value_error":
+        msg = str(e.get("ctx", {}).get("error", e["msg"]))
+        return msg if loc == "config" else f"{loc}: {msg}"
+    got = e.get("input")
+    return f"{loc}: {e['msg'].rstrip('.')} (got {got!r}); fix the value of '{loc}'"
+
+
+def _coerce_override(raw: str) -> Any:
+    return yaml.safe_load(raw) if raw != "" else ""
+
+
+def apply_overrides(data: dict, overrides: list[str] | None) -> dict:
+    """Apply `a.b.c=value` overrides (values parsed as YAML scalars) to a nested dict."""
+    for item in overrides or []:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r}: expected key=value, e.g. trainer.steps=20")
+        key, raw = item.split("=", 1)
+        parts = key.strip().split(".")
+        node = data
+        for p in parts[:-1]:
+            node = node.setdefault(p, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"override {item!r}: '{p}' is not a section")
+        node[parts[-1]] = _coerce_override(raw)
+    return data
+
+
+def parse_config(data: dict | None, overrides: list[str] | None = None) -> RunConfig:
+    data = apply_overrides(dict(data or {}), overrides)
+    try:
+        return RunConfig.model_validate(data)
+    except ValidationError as err:
+        raise ConfigError(_format_error(err)) from None
+
+
+def load_config(path: str | Path | None, overrides: list[str] | None = None) -> RunConfig:
+    """The one loader of run configs: YAML file (or None for defaults) plus `key=value` overrides."""
+    data: dict = {}
+    if path is not None:
+        p = Path(path)
+        if not p.exists():
+            raise ConfigError(f"config file {str(path)!r} not found; pass a YAML file such as configs/tiny-grpo.yaml")
+        try:
+            data = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"config file {str(path)!r} is not valid YAML: {e}") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"config file {str(path)!r}: top level must be a mapping of sections")
+    return parse_config(data, overrides)

@@ -1,0 +1,78 @@
+"""Hugging Face `generate` backend: the fallback engine and the reference for behaviour log-probs."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from ..models import load_model, load_tokenizer, set_threads
+from ..weights import load_state_dict
+from .backend import Completion, GenParams, SamplerBackend
+
+
+class HFBackend(SamplerBackend):
+    name = "hf"
+
+    def __init__(self, model_dir: str, *, dtype: str = "float32", threads: int = 1, seed: int = 0):
+        set_threads(threads)
+        self.tokenizer = load_tokenizer(model_dir)
+        self.model = load_model(model_dir, dtype).eval()
+        self.eos_id = self.tokenizer.eos_token_id
+        self.pad_id = self.tokenizer.pad_token_id
+        self.generator_seed = seed
+        self._calls = 0
+
+    def load_weights(self, policy_dir: str) -> float:
+        t0 = time.perf_counter()
+        sd = load_state_dict(policy_dir)
+        missing, unexpected = self.model.load_state_dict(sd, strict=False)
+        if unexpected or [m for m in missing if "rotary" not in m]:
+            raise RuntimeError(f"policy {policy_dir}: missing={missing[:5]} unexpected={unexpected[:5]}")
+        return time.perf_counter() - t0
+
+    @torch.no_grad()
+    def generate(self, prompts: list[list[int]], n: int, params: GenParams) -> list[list[Completion]]:
+        if not prompts:
+            return []
+        self._calls += 1
+        torch.manual_seed(params.seed if params.seed is not None else self.generator_seed * 100003 + self._calls)
+        width = max(len(p) for p in prompts)
+        ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for i, p in enumerate(prompts):  # left padding: generation continues every row at the end
+            ids[i, width - len(p):] = torch.tensor(p)
+            mask[i, width - len(p):] = 1
+        kwargs = dict(max_new_tokens=params.max_new_tokens, pad_token_id=self.pad_id, eos_token_id=self.eos_id,
+                      return_dict_in_generate=True, output_logits=not params.greedy)
+        if params.greedy:
+            kwargs.update(do_sample=False, num_return_sequences=1)
+            n_eff = 1
+        else:
+            kwargs.update(do_sample=True, temperature=params.temperature, top_p=params.top_p, top_k=0,
+                          num_return_sequences=n)
+            n_eff = n
+        out = self.model.generate(input_ids=ids, attention_mask=mask, **kwargs)
+        seqs = out.sequences[:, width:]
+        if params.greedy:
+            lp = torch.zeros(seqs.shape, dtype=torch.float32)
+        else:
+            logits = torch.stack(out.logits, dim=1).float() / params.temperature  # [B*n, T, V]
+            lp = torch.log_softmax(logits, dim=-1).gather(-1, seqs.unsqueeze(-1)).squeeze(-1)
+        results: list[list[Completion]] = []
+        for i in range(len(prompts)):
+            group = []
+            for j in range(n_eff):
+                row = i * n_eff + j
+                toks = seqs[row].tolist()
+                if self.eos_id in toks:
+                    end, reason = toks.index(self.eos_id) + 1, "stop"
+                else:
+                    end, reason = len(toks), "length"
+                toks = toks[:end]
+                group.append(Completion(
+                    token_ids=toks, logprobs=lp[row, :end].tolist(),
+                    text=self.tokenizer.decode(toks, skip_special_tokens=True), finish_reason=reason,
+                ))
+            results.append(group)
+        return results

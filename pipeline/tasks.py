@@ -1,0 +1,73 @@
+"""Built-in tasks: prompt generators with verl-format rows and their reward functions.
+
+- `sort`: sort a string of 3-7 digits. Reward = share of positions right (partial credit), 1.0 for
+  an exact answer. Measures correctness; the demo task.
+- `digit`: answer with as many copies of a given digit as possible. Reward = share of the
+  response's characters equal to the digit. Dense and fast: the test task.
+
+Rewards follow verl's signature `compute_score(data_source, solution_str, ground_truth,
+extra_info=None) -> float | dict`.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Callable
+
+TASKS = ("sort", "digit")
+
+
+def _clean(solution_str: str) -> str:
+    return solution_str.strip().split("\n", 1)[0].strip()
+
+
+def sort_score(data_source: str, solution_str: str, ground_truth: str, extra_info: dict | None = None) -> dict:
+    """Partial credit: positions equal to the sorted digits over the longer of the two strings."""
+    sol = _clean(solution_str)
+    gt = str(ground_truth)
+    right = sum(1 for a, b in zip(sol, gt) if a == b)
+    score = right / max(len(gt), len(sol), 1)
+    return {"score": score, "acc": float(sol == gt)}
+
+
+def digit_score(data_source: str, solution_str: str, ground_truth: str, extra_info: dict | None = None) -> float:
+    sol = _clean(solution_str)
+    if not sol:
+        return 0.0
+    return sum(1 for c in sol if c == str(ground_truth)) / len(sol)
+
+
+SCORERS: dict[str, Callable[..., float | dict]] = {"sort": sort_score, "digit": digit_score}
+
+
+def _row(task: str, content: str, answer: str, index: int, split: str) -> dict:
+    return {
+        "data_source": f"builtin/{task}",
+        "prompt": [{"role": "user", "content": content}],
+        "ability": "sorting" if task == "sort" else "copying",
+        "reward_model": {"style": "rule", "ground_truth": answer},
+        "extra_info": {"split": split, "index": index, "answer": answer},
+    }
+
+
+def make_rows(task: str, n: int, seed: int, split: str) -> list[dict]:
+    """`n` deterministic rows of `task` for `split` (train and test use disjoint seeds)."""
+    if task not in TASKS:
+        raise ValueError(f"unknown built-in task {task!r}; choose one of {', '.join(TASKS)}")
+    rng = random.Random(f"{task}/{split}/{seed}")
+    rows = []
+    for i in range(n):
+        if task == "sort":
+            k = rng.randint(3, 7)
+            digits = "".join(rng.choice("0123456789") for _ in range(k))
+            rows.append(_row(task, f"sort {digits}:", "".join(sorted(digits)), i, split))
+        else:
+            d = str(rng.randint(0, 9))
+            rows.append(_row(task, f"say {d}:", d, i, split))
+    return rows
+
+
+def corpus(task: str, seed: int, n: int = 4000) -> list[str]:
+    """Text the built-in tokenizer is trained on: prompts followed by their answers."""
+    return [r["prompt"][0]["content"] + " " + r["reward_model"]["ground_truth"]
+            for r in make_rows(task, n, seed, "train")]
