@@ -108,6 +108,8 @@ class BufferConfig(_Section):
     shard_compression: Literal["zstd", "snappy", "none"] = "zstd"
     writer_queue: int = Field(8, gt=0)
     """Shards queued in the asynchronous writer before `write` blocks."""
+    checkpoint_interval: int = Field(50, gt=0)
+    """Commit-log entries between state checkpoints; opening reads one checkpoint plus at most this many entries."""
 
 
 class EvalConfig(_Section):

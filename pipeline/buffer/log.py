@@ -1,0 +1,200 @@
+"""The buffer's commit log: numbered, create-only JSON entries plus periodic checkpoints.
+
+This is the Delta Lake pattern. Data files are immutable and invisible until an entry of the log
+names them; entry N is created with a create-only write (`storage.put_if_absent`: hard link on
+local/NFS, `If-None-Match: *` on S3, generation match 0 on GCS), so exactly one of several
+concurrent committers gets each number and the log is a total order every process agrees on.
+
+    _log/00000000000000000042.json        entry 42: {"v", "txn", "time", "writer", "actions"}
+    _log/00000000000000000050.ckpt.json   the state after entry 50 (every `checkpoint_interval`)
+    _log/_last_checkpoint                  {"v": 50}: where opening starts (may lag; never ahead)
+
+Opening reads the pointer, one checkpoint and the few entries after it, so it costs O(1) files
+whatever the history length. Keeping up reads only entries past the last version seen, probing
+N+1, N+2, ... until one is missing: no listing of the whole log.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable
+
+from ..storage import is_local, join, list_names, put_atomic, put_if_absent, read_bytes
+from .state import BufferState
+
+log = logging.getLogger(__name__)
+
+LOG_DIR = "_log"
+POINTER = "_last_checkpoint"
+LOG_FORMAT = 1
+
+
+class CommitConflict(RuntimeError):
+    """A commit whose precondition no longer holds after another process committed first."""
+
+
+def entry_name(version: int) -> str:
+    return f"{version:020d}.json"
+
+
+def checkpoint_name(version: int) -> str:
+    return f"{version:020d}.ckpt.json"
+
+
+class CommitLog:
+    """One process's view of the log: the replayed state and the means to append to it."""
+
+    def __init__(self, fs, root: str, checkpoint_interval: int = 50, writer: str = ""):
+        self.fs = fs
+        self.root = root
+        self.dir = join(root, LOG_DIR)
+        self.checkpoint_interval = checkpoint_interval
+        self.writer = writer
+        self.state = BufferState()
+        self.files_read = 0  # entries + checkpoints read; opening cost is visible in tests/bench
+        self._last_pointer_check = 0.0
+        self._opened = False
+
+    # reading ----------------------------------------------------------------------------------
+    def open(self) -> None:
+        """Load the latest checkpoint (if any) and the entries after it."""
+        ptr = self._read_pointer()
+        if ptr:
+            self._load_checkpoint(ptr)
+        self._opened = True
+        self.refresh()
+
+    def _read_pointer(self) -> int:
+        try:
+            return int(json.loads(read_bytes(self.fs, join(self.dir, POINTER)))["v"])
+        except FileNotFoundError:
+            return 0
+
+    def _load_checkpoint(self, version: int) -> bool:
+        try:
+            raw = read_bytes(self.fs, join(self.dir, checkpoint_name(version)))
+        except FileNotFoundError:
+            log.warning("buffer log %s: checkpoint %d named by %s is missing; replaying entries",
+                        self.dir, version, POINTER)
+            return False
+        self.files_read += 1
+        doc = json.loads(raw)
+        self._check_format(doc, checkpoint_name(version))
+        self.state = BufferState.from_json(doc["state"])
+        return True
+
+    def _check_format(self, doc: dict, name: str) -> None:
+        fmt = int(doc.get("format", 1))
+        if fmt > LOG_FORMAT:
+            raise RuntimeError(
+                f"buffer log {join(self.dir, name)}: log format v{fmt}, this installation reads up to "
+                f"v{LOG_FORMAT}; upgrade rlhf-pipeline to read this buffer"
+            )
+
+    def _read_entry(self, version: int) -> dict | None:
+        try:
+            raw = read_bytes(self.fs, join(self.dir, entry_name(version)))
+        except FileNotFoundError:
+            return None
+        self.files_read += 1
+        doc = json.loads(raw)
+        self._check_format(doc, entry_name(version))
+        return doc
+
+    def refresh(self) -> list[tuple[int, dict]]:
+        """Apply every entry committed after the state's version; returns them in order."""
+        if not self._opened:
+            self.open()
+            return []
+        applied: list[tuple[int, dict]] = []
+        while True:
+            batch = self._probe(self.state.version + 1)
+            if not batch:
+                break
+            for v, doc in batch:
+                self.state.apply(v, doc)
+                applied.append((v, doc))
+        if not applied:
+            self._catch_up_after_retention()
+        return applied
+
+    def _probe(self, start: int) -> list[tuple[int, dict]]:
+        """Entries start, start+1, ... that exist, reading a few at once on remote storage."""
+        width = 1 if is_local(self.fs) else 8
+        if width == 1:
+            doc = self._read_entry(start)
+            return [] if doc is None else [(start, doc)]
+        with ThreadPoolExecutor(width) as ex:
+            docs = list(ex.map(self._read_entry, range(start, start + width)))
+        out = []
+        for i, doc in enumerate(docs):
+            if doc is None:
+                break
+            out.append((start + i, doc))
+        return out
+
+    def _catch_up_after_retention(self) -> None:
+        """A process far behind may find its next entry deleted by log retention: the pointer then
+        names a checkpoint past it. Checked at most every few seconds (one small read)."""
+        now = time.monotonic()
+        if now - self._last_pointer_check < 5.0:
+            return
+        self._last_pointer_check = now
+        ptr = self._read_pointer()
+        if ptr > self.state.version + 1 and self._read_entry(self.state.version + 1) is None:
+            log.warning("buffer log %s: entries after %d were removed by retention; reloading checkpoint %d",
+                        self.dir, self.state.version, ptr)
+            if self._load_checkpoint(ptr):
+                self.refresh()
+
+    # writing ----------------------------------------------------------------------------------
+    def commit(self, actions: list[dict], precondition: Callable[[BufferState], None] | None = None) -> int:
+        """Append one entry holding `actions`; returns its version.
+
+        On a lost race the state is refreshed and `precondition` (which raises CommitConflict when
+        the actions no longer make sense, e.g. removing a shard another compactor removed) is
+        re-checked before trying the next number.
+        """
+        if not self._opened:
+            self.open()
+        txn = uuid.uuid4().hex
+        while True:
+            if precondition is not None:
+                precondition(self.state)
+            v = self.state.version + 1
+            doc = {"format": LOG_FORMAT, "v": v, "txn": txn, "time": time.time(), "writer": self.writer,
+                   "actions": actions}
+            if put_if_absent(self.fs, join(self.dir, entry_name(v)), json.dumps(doc).encode()):
+                self.state.apply(v, doc)
+                self._maybe_checkpoint(v)
+                return v
+            for got_v, got in self.refresh():
+                if got.get("txn") == txn:  # our PUT landed but its answer was lost and retried
+                    return got_v
+
+    def _maybe_checkpoint(self, version: int) -> None:
+        if self.checkpoint_interval and version % self.checkpoint_interval == 0:
+            self.write_checkpoint()
+
+    def write_checkpoint(self, tombstone_retention_s: float | None = 7 * 86400) -> int:
+        """Serialise the current state; any process may do it (create-only, same content)."""
+        v = self.state.version
+        doc = {"format": LOG_FORMAT, "v": v, "time": time.time(),
+               "state": self.state.to_json(tombstone_retention_s)}
+        put_if_absent(self.fs, join(self.dir, checkpoint_name(v)), json.dumps(doc).encode())
+        if self._read_pointer() < v:  # a racing older pointer is harmless: opening just reads more
+            put_atomic(self.fs, join(self.dir, POINTER), json.dumps({"v": v}).encode())
+        return v
+
+    # maintenance ------------------------------------------------------------------------------
+    def entry_versions(self) -> list[int]:
+        """All entry numbers present (lists the folder: for verify and gc only)."""
+        return sorted(int(n[:20]) for n in list_names(self.fs, self.dir)
+                      if n.endswith(".json") and not n.endswith(".ckpt.json") and n[:20].isdigit())
+
+    def checkpoint_versions(self) -> list[int]:
+        return sorted(int(n[:20]) for n in list_names(self.fs, self.dir) if n.endswith(".ckpt.json"))

@@ -1,0 +1,112 @@
+"""Rollout shards: immutable zstd Parquet files holding whole groups, contiguous by group.
+
+Encoding checks the table against the rollout schema and makes each group's rows contiguous, so
+the commit log can describe a shard by its group sizes and readers can slice whole groups without
+scanning ids. Decoding checks the schema version first: a newer version is a hard error
+(`SchemaError`), anything else unreadable is a `CorruptShard` that the buffer quarantines.
+"""
+
+from __future__ import annotations
+
+import io
+import re
+import uuid
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from ..storage import is_local, join, put_atomic, read_bytes
+from .schema import ROLLOUT_SCHEMA, SCHEMA_VERSION, SCHEMA_VERSION_KEY, SchemaError, check_schema
+
+WRITER_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+
+
+class CorruptShard(ValueError):
+    """A committed shard that cannot be read as rollouts (truncated, corrupt, wrong schema)."""
+
+
+def validate_writer_id(writer_id: str) -> str:
+    if not isinstance(writer_id, str) or not WRITER_ID_RE.match(writer_id) or ".." in writer_id:
+        raise ValueError(
+            f"writer_id: invalid value {writer_id!r}; use 1-64 characters from [A-Za-z0-9._-], "
+            "starting with a letter or digit"
+        )
+    return writer_id
+
+
+def conform(table: pa.Table) -> pa.Table:
+    """`table` in exactly ROLLOUT_SCHEMA (column order, types, metadata) or a ValueError naming the
+    columns that differ."""
+    missing = [f.name for f in ROLLOUT_SCHEMA if f.name not in table.schema.names]
+    extra = [n for n in table.schema.names if n not in ROLLOUT_SCHEMA.names]
+    if missing or extra:
+        raise ValueError(f"rollout shard: missing columns {missing}, unexpected columns {extra}; "
+                         "build it with pipeline.buffer.schema.to_table")
+    table = table.select(ROLLOUT_SCHEMA.names)
+    try:
+        return table.cast(ROLLOUT_SCHEMA)
+    except (pa.ArrowInvalid, pa.ArrowNotImplementedError, ValueError) as e:
+        raise ValueError(f"rollout shard: columns do not cast to the rollout schema ({e}); "
+                         "build it with pipeline.buffer.schema.to_table") from None
+
+
+def group_layout(table: pa.Table) -> tuple[pa.Table, list[int]]:
+    """Reorder rows so each group is contiguous (groups in order of first appearance; rows keep
+    their order inside a group). Returns the table and the rows per group."""
+    if table.num_rows == 0:
+        return table, []
+    ids = table.column("group_id").combine_chunks()
+    codes = pc.dictionary_encode(ids).indices.to_numpy(zero_copy_only=False)
+    # dictionary_encode numbers groups in order of first appearance
+    counts = np.bincount(codes)
+    if np.all(codes[1:] >= codes[:-1]):
+        return table, counts.tolist()
+    order = np.argsort(codes, kind="stable")
+    return table.take(pa.array(order)), counts.tolist()
+
+
+def encode(table: pa.Table, compression: str) -> bytes:
+    sink = io.BytesIO()
+    pq.write_table(table, sink, compression=None if compression == "none" else compression,
+                   row_group_size=max(1, table.num_rows))
+    return sink.getvalue()
+
+
+def new_shard_path(tier: str, writer_id: str) -> str:
+    return f"{tier}/{writer_id}-{uuid.uuid4().hex}.parquet"
+
+
+def write_shard(fs, root: str, rel: str, data: bytes) -> None:
+    """Publish an immutable data file (atomic; still invisible to readers until committed)."""
+    put_atomic(fs, join(root, rel), data)
+
+
+def policy_range(table: pa.Table) -> tuple[int, int]:
+    mm = pc.min_max(table.column("policy_version"))
+    return int(mm["min"].as_py()), int(mm["max"].as_py())
+
+
+def read_shard(fs, root: str, rel: str) -> pa.Table:
+    """A committed shard as a table in ROLLOUT_SCHEMA. Raises SchemaError for a newer schema
+    version, CorruptShard for anything else that is wrong with the file."""
+    path = join(root, rel)
+    try:
+        if is_local(fs):
+            table = pq.read_table(path)
+        else:
+            table = pq.read_table(pa.BufferReader(read_bytes(fs, path)))
+    except FileNotFoundError:
+        raise
+    except (pa.ArrowInvalid, pa.ArrowException, OSError, ValueError) as e:
+        raise CorruptShard(f"{path}: unreadable Parquet ({e})") from None
+    meta = table.schema.metadata or {}
+    raw = meta.get(SCHEMA_VERSION_KEY)
+    if raw is not None and raw.isdigit() and int(raw) > SCHEMA_VERSION:
+        check_schema(table.schema, path)  # raises the clear "upgrade" SchemaError
+    try:
+        check_schema(table.schema, path)
+        return conform(table)
+    except (SchemaError, ValueError) as e:
+        raise CorruptShard(f"{path}: wrong schema ({e})") from None

@@ -1,0 +1,186 @@
+"""What the commit log says the buffer holds: the state obtained by replaying log actions in order.
+
+The state is a pure function of the log: every process that has replayed the same versions holds
+the same state, which is what makes cursors (L1 sequence numbers) and replay keys portable between
+processes and across restarts. Checkpoints are this state serialised at one version.
+
+Actions (one JSON object each, inside a numbered log entry):
+
+    {"op": "add", "path": "l1/w-..parquet", "tier": "l1", "rows": 64, "bytes": 9000,
+     "gsizes": [8, 8, ...], "pv": [min, max], "t": 1700000000.0,
+     "groups": [[key, row_start, row_count, group_hash, priority], ...]}   # l2 only
+    {"op": "remove", "path": ...}                       # compaction, eviction, exhausted replays
+    {"op": "prio", "keys": [...], "p": [...]}           # replayed once more, new priority
+    {"op": "consumed", "consumer": "trainer", "cursor": {...}}
+    {"op": "quarantine", "path": ..., "reason": ...}
+"""
+
+from __future__ import annotations
+
+import bisect
+import time
+from dataclasses import dataclass, field
+
+TIERS = ("l1", "l2", "l3")
+
+
+@dataclass
+class ShardInfo:
+    """One committed, immutable data file."""
+
+    path: str  # relative to the buffer root
+    tier: str
+    rows: int
+    bytes: int
+    gsizes: list[int]  # rows per group, in file order (groups are contiguous in a shard)
+    pv: tuple[int, int]  # min/max policy_version of its rows
+    t: float  # commit time
+    version: int  # log version that added it
+    seq: int = -1  # position in the L1 stream (commit order); -1 outside L1
+
+    @property
+    def groups(self) -> int:
+        return len(self.gsizes)
+
+    def to_json(self) -> dict:
+        return {"path": self.path, "tier": self.tier, "rows": self.rows, "bytes": self.bytes,
+                "gsizes": self.gsizes, "pv": list(self.pv), "t": self.t, "version": self.version,
+                "seq": self.seq}
+
+    @classmethod
+    def from_json(cls, d: dict) -> "ShardInfo":
+        return cls(d["path"], d["tier"], d["rows"], d["bytes"], list(d["gsizes"]), tuple(d["pv"]),
+                   d["t"], d["version"], d.get("seq", -1))
+
+
+@dataclass
+class ReplayGroup:
+    """One L2 group: where its rows are, how often it was replayed and its priority."""
+
+    path: str
+    start: int
+    count: int
+    ghash: str
+    priority: float
+    replays: int = 0
+
+
+@dataclass
+class BufferState:
+    version: int = 0
+    shards: dict[str, ShardInfo] = field(default_factory=dict)
+    l1_seqs: list[int] = field(default_factory=list)  # sorted seqs of live L1 shards
+    l1_by_seq: dict[int, str] = field(default_factory=dict)
+    next_seq: int = 0
+    l1_groups_added: int = 0  # groups ever committed to L1 (monotonic; the rate limiter's inserts)
+    l2_groups: dict[str, ReplayGroup] = field(default_factory=dict)
+    l2_hashes: set[str] = field(default_factory=set)
+    l2_by_path: dict[str, list[str]] = field(default_factory=dict)
+    replays_done: int = 0  # groups ever replayed from L2 (monotonic; the rate limiter's samples)
+    consumed: dict[str, dict] = field(default_factory=dict)  # consumer -> cursor
+    quarantined: dict[str, str] = field(default_factory=dict)  # path -> reason
+    tombstones: dict[str, float] = field(default_factory=dict)  # removed path -> time removed
+
+    # ------------------------------------------------------------------------------------------
+    def apply(self, version: int, entry: dict) -> None:
+        if version != self.version + 1:
+            raise RuntimeError(f"commit log: applying version {version} on state at {self.version}")
+        t = float(entry.get("time", time.time()))
+        for a in entry["actions"]:
+            op = a["op"]
+            if op == "add":
+                self._add(a, version)
+            elif op == "remove":
+                self._remove(a["path"], t)
+            elif op == "prio":
+                for k, p in zip(a["keys"], a["p"]):
+                    g = self.l2_groups.get(k)
+                    if g is not None:
+                        g.priority = float(p)
+                        g.replays += 1
+                        self.replays_done += 1
+            elif op == "consumed":
+                self.consumed[a["consumer"]] = dict(a["cursor"])
+            elif op == "quarantine":
+                self.quarantined[a["path"]] = a["reason"]
+                self._remove(a["path"], t, tombstone=False)
+            else:
+                raise ValueError(f"commit log version {version}: unknown action {op!r}; "
+                                 "this buffer was written by a newer rlhf-pipeline, upgrade to read it")
+        self.version = version
+
+    def _add(self, a: dict, version: int) -> None:
+        info = ShardInfo(a["path"], a["tier"], a["rows"], a["bytes"], list(a["gsizes"]),
+                         tuple(a["pv"]), a["t"], version)
+        if info.path in self.shards:
+            return  # idempotent: a shard is added once
+        if info.tier == "l1":
+            info.seq = self.next_seq
+            self.next_seq += 1
+            self.l1_seqs.append(info.seq)
+            self.l1_by_seq[info.seq] = info.path
+            self.l1_groups_added += info.groups
+        elif info.tier == "l2":
+            for key, start, count, ghash, prio in a.get("groups", []):
+                self._add_group(key, ReplayGroup(info.path, start, count, ghash, float(prio)))
+        self.shards[info.path] = info
+
+    def _remove(self, path: str, t: float, tombstone: bool = True) -> None:
+        info = self.shards.pop(path, None)
+        if info is None:
+            return
+        if tombstone:
+            self.tombstones[path] = t
+        if info.tier == "l1":
+            i = bisect.bisect_left(self.l1_seqs, info.seq)
+            if i < len(self.l1_seqs) and self.l1_seqs[i] == info.seq:
+                del self.l1_seqs[i]
+            self.l1_by_seq.pop(info.seq, None)
+        elif info.tier == "l2":
+            for k in self.l2_by_path.pop(path, []):
+                g = self.l2_groups.pop(k, None)
+                if g is not None:
+                    self.l2_hashes.discard(g.ghash)
+
+    def _add_group(self, key: str, g: ReplayGroup) -> None:
+        self.l2_groups[key] = g
+        self.l2_hashes.add(g.ghash)
+        self.l2_by_path.setdefault(g.path, []).append(key)
+
+    # ------------------------------------------------------------------------------------------
+    def tier_shards(self, tier: str) -> list[ShardInfo]:
+        if tier == "l1":
+            return [self.shards[self.l1_by_seq[s]] for s in self.l1_seqs]
+        return sorted((s for s in self.shards.values() if s.tier == tier), key=lambda s: (s.version, s.path))
+
+    def to_json(self, tombstone_retention_s: float | None = None) -> dict:
+        now = time.time()
+        tombs = {p: t for p, t in self.tombstones.items()
+                 if tombstone_retention_s is None or now - t < tombstone_retention_s}
+        return {
+            "version": self.version,
+            "shards": [s.to_json() for s in self.shards.values()],
+            "next_seq": self.next_seq,
+            "l1_groups_added": self.l1_groups_added,
+            "l2_groups": [[k, g.path, g.start, g.count, g.ghash, g.priority, g.replays]
+                          for k, g in self.l2_groups.items()],
+            "replays_done": self.replays_done,
+            "consumed": self.consumed,
+            "quarantined": self.quarantined,
+            "tombstones": tombs,
+        }
+
+    @classmethod
+    def from_json(cls, d: dict) -> "BufferState":
+        st = cls(version=d["version"], next_seq=d["next_seq"], l1_groups_added=d["l1_groups_added"],
+                 replays_done=d["replays_done"], consumed=d["consumed"], quarantined=d["quarantined"],
+                 tombstones=d["tombstones"])
+        for sj in d["shards"]:
+            info = ShardInfo.from_json(sj)
+            st.shards[info.path] = info
+            if info.tier == "l1":
+                st.l1_by_seq[info.seq] = info.path
+        st.l1_seqs = sorted(st.l1_by_seq)
+        for k, path, start, count, ghash, prio, replays in d["l2_groups"]:
+            st._add_group(k, ReplayGroup(path, start, count, ghash, prio, replays))
+        return st
