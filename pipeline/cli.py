@@ -1,0 +1,148 @@
+"""`rlhf` command line: one entry point for users, the local runner and the Airflow tasks."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import json
+import logging
+import os
+import sys
+
+from .config import ConfigError
+
+
+def _setup_logging(verbose: bool) -> None:
+    logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO,
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s", stream=sys.stderr)
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def _config(args):
+    from .config import load_config
+
+    return load_config(args.config, args.set)
+
+
+def cmd_init_example(args) -> int:
+    from .example import build_example
+
+    out = build_example(os.path.abspath(args.dir), args.task, args.seed)
+    print(json.dumps({"model": os.path.join(out, "model"), "train": os.path.join(out, "data", "train.parquet"),
+                      "test": os.path.join(out, "data", "test.parquet")}, indent=1))
+    return 0
+
+
+def cmd_prepare(args) -> int:
+    from .runner import prepare
+
+    run = prepare(_config(args), args.run_dir, args.runs_root)
+    print(run.url)
+    return 0
+
+
+def cmd_sampler(args) -> int:
+    from .sampler.loop import run_sampler
+
+    run_sampler(args.run_dir, args.sampler_id)
+    return 0
+
+
+def cmd_trainer(args) -> int:
+    from .trainer.loop import run_trainer
+
+    run_trainer(args.run_dir)
+    return 0
+
+
+def cmd_finalize(args) -> int:
+    from .runner import finalize
+    from .runs import RunDir
+
+    print(json.dumps(finalize(RunDir(args.run_dir)), indent=1))
+    return 0
+
+
+def cmd_eval(args) -> int:
+    from .policy import PolicyStore
+    from .runner import evaluate_policy
+    from .runs import RunDir
+
+    run = RunDir(args.run_dir)
+    version = args.version if args.version is not None else PolicyStore(run).latest()
+    print(json.dumps({"version": version, **evaluate_policy(run, version)}))
+    return 0
+
+
+def cmd_run(args) -> int:
+    from .runner import run_local
+
+    summary = run_local(_config(args), args.run_dir, progress=not args.no_progress)
+    keys = ["run_dir", "eval_before", "eval_after", "reward_first", "reward_last", "steps", "samples_generated",
+            "samples_trained", "generated_tokens", "trained_tokens", "wall_s", "sampler_busy_s", "trainer_busy_s",
+            "overlap_s", "policy_versions", "max_staleness_seen", "total_s"]
+    print(json.dumps({k: summary.get(k) for k in keys}, indent=1))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="rlhf", description="RL post-training of language models: sampler, trainer, buffer.")
+    p.add_argument("-v", "--verbose", action="store_true")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    s = sub.add_parser("init-example", help="build the tiny model and prompt datasets offline")
+    s.add_argument("dir")
+    s.add_argument("--task", default="sort", choices=["sort", "digit"])
+    s.add_argument("--seed", type=int, default=0)
+    s.set_defaults(fn=cmd_init_example)
+
+    for name, fn, help_ in (("prepare", cmd_prepare, "validate a config and create a run directory"),
+                            ("run", cmd_run, "run sampler and trainer locally as two processes")):
+        s = sub.add_parser(name, help=help_)
+        s.add_argument("config", help="YAML run config, e.g. configs/tiny-grpo.yaml")
+        s.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override, e.g. trainer.steps=20")
+        s.add_argument("--run-dir", default=None, help="run directory URL (default: runs/<run_id>)")
+        s.add_argument("--runs-root", default="runs", help=argparse.SUPPRESS if name == "run" else "where new runs go")
+        if name == "run":
+            s.add_argument("--no-progress", action="store_true", help="log lines instead of a progress bar")
+        s.set_defaults(fn=fn)
+
+    s = sub.add_parser("sampler", help="the persistent sampler loop")
+    s.add_argument("--run-dir", required=True)
+    s.add_argument("--sampler-id", default="sampler-0")
+    s.set_defaults(fn=cmd_sampler)
+
+    s = sub.add_parser("trainer", help="the persistent trainer loop")
+    s.add_argument("--run-dir", required=True)
+    s.set_defaults(fn=cmd_trainer)
+
+    s = sub.add_parser("finalize", help="evaluate and write summary.json")
+    s.add_argument("--run-dir", required=True)
+    s.set_defaults(fn=cmd_finalize)
+
+    s = sub.add_parser("eval", help="held-out score of a policy version")
+    s.add_argument("--run-dir", required=True)
+    s.add_argument("--version", type=int, default=None)
+    s.set_defaults(fn=cmd_eval)
+
+    for module in ("pipeline.buffer.cli", "pipeline.reshard.cli", "pipeline.sampler.cli", "pipeline.airflow_local"):
+        if importlib.util.find_spec(module) is not None:  # command groups of the optional parts
+            importlib.import_module(module).add_parser(sub)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    _setup_logging(args.verbose)
+    try:
+        return args.fn(args) or 0
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130

@@ -1,0 +1,71 @@
+"""summary.json: what a run did, computed from the metrics streams of its processes."""
+
+from __future__ import annotations
+
+from .runs import RunDir
+from .storage import list_names
+
+
+def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    out: list[tuple[float, float]] = []
+    for s, e in sorted(intervals):
+        if out and s <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], e))
+        else:
+            out.append((s, e))
+    return out
+
+
+def overlap_seconds(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float:
+    """Total time during which both interval sets are busy."""
+    a, b = _union(a), _union(b)
+    i = j = 0
+    total = 0.0
+    while i < len(a) and j < len(b):
+        lo, hi = max(a[i][0], b[j][0]), min(a[i][1], b[j][1])
+        total += max(0.0, hi - lo)
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return total
+
+
+def _busy(records: list[dict]) -> list[tuple[float, float]]:
+    return [(r["timing/start"], r["timing/end"]) for r in records if "timing/start" in r]
+
+
+def sampler_streams(run: RunDir) -> list[str]:
+    return [n[: -len(".jsonl")] for n in list_names(run.fs, run.path("metrics"))
+            if n.startswith("sampler") and n.endswith(".jsonl")]
+
+
+def build_summary(run: RunDir, eval_before: dict, eval_after: dict, policy_version: int) -> dict:
+    trainer = [r for r in run.read_metrics("trainer") if "step" in r]
+    sampler = [r for s in sampler_streams(run) for r in run.read_metrics(s)]
+    s_busy, t_busy = _busy(sampler), _busy(trainer)
+    starts = [r["time"] for r in run.read_metrics("trainer") + sampler if r.get("event") == "start"]
+    ends = [e for _, e in s_busy + t_busy]
+    wall = (max(ends) - min(starts + [s for s, _ in s_busy + t_busy])) if ends else 0.0
+    gen = [r for r in sampler if "sampler/samples" in r]
+    return {
+        "run_id": run.run_id,
+        "run_dir": run.url,
+        "eval_before": round(eval_before["score"], 4),
+        "eval_after": round(eval_after["score"], 4),
+        "eval_before_detail": eval_before,
+        "eval_after_detail": eval_after,
+        "reward_first": round(trainer[0]["reward/mean"], 4) if trainer else None,
+        "reward_last": round(trainer[-1]["reward/mean"], 4) if trainer else None,
+        "steps": trainer[-1]["step"] if trainer else 0,
+        "samples_generated": sum(r["sampler/samples"] for r in gen),
+        "samples_trained": sum(r["trainer/samples"] for r in trainer),
+        "generated_tokens": sum(r["sampler/gen_tokens"] for r in gen),
+        "trained_tokens": sum(r["trainer/response_tokens"] for r in trainer),
+        "wall_s": round(wall, 2),
+        "sampler_busy_s": round(sum(e - s for s, e in _union(s_busy)), 2),
+        "trainer_busy_s": round(sum(e - s for s, e in _union(t_busy)), 2),
+        "overlap_s": round(overlap_seconds(s_busy, t_busy), 2),
+        "policy_versions": policy_version,
+        "max_staleness_seen": max((r["staleness/max"] for r in trainer), default=0),
+    }

@@ -1,0 +1,62 @@
+import io
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from pipeline.buffer.schema import ROLLOUT_SCHEMA, SCHEMA_VERSION_KEY, SchemaError, check_schema, content_hash, to_table
+from pipeline.config import ConfigError
+from pipeline.data import load_prompts, write_rows
+from pipeline.tasks import make_rows
+
+
+def _row(i=0):
+    import datetime as dt
+
+    return {
+        "sample_id": f"s{i}", "prompt_id": "p", "group_id": "g", "data_source": "builtin/sort",
+        "prompt_token_ids": [1, 2, 3], "response_token_ids": [4, 5], "response_text": "ab",
+        "behavior_logprobs": [-0.5, -1.25], "reward": 0.5, "token_rewards": None, "reward_extra": '{"acc": 0.0}',
+        "finish_reason": "stop", "policy_version": 3, "sampler_id": "sampler-0",
+        "created_at": dt.datetime(2026, 1, 1, tzinfo=dt.timezone.utc), "content_hash": content_hash([1, 2, 3], [4, 5]),
+        "tier": "l1", "replay_count": 0, "priority": 1.0,
+    }
+
+
+def test_rollout_schema_round_trip_through_parquet():
+    t = to_table([_row(0), _row(1)])
+    buf = io.BytesIO()
+    pq.write_table(t, buf, compression="zstd")
+    back = pq.read_table(io.BytesIO(buf.getvalue()))
+    check_schema(back.schema, "mem")
+    assert back.schema.equals(ROLLOUT_SCHEMA, check_metadata=False)
+    assert back.to_pylist() == t.to_pylist()
+
+
+def test_newer_schema_version_is_refused_with_upgrade_hint():
+    schema = ROLLOUT_SCHEMA.with_metadata({SCHEMA_VERSION_KEY: b"99"})
+    with pytest.raises(SchemaError, match="upgrade"):
+        check_schema(schema, "s3://b/shard.parquet")
+
+
+def test_content_hash_depends_on_prompt_and_response():
+    assert content_hash([1], [2]) == content_hash([1], [2])
+    assert content_hash([1], [2]) != content_hash([1, 2], [])
+
+
+def test_dataset_missing_column_is_named(tmp_path):
+    rows = make_rows("sort", 4, 0, "train")
+    for r in rows:
+        del r["reward_model"]
+    url = str(tmp_path / "bad.parquet")
+    write_rows(rows, url)
+    with pytest.raises(ConfigError, match="lacks column 'reward_model.ground_truth'"):
+        load_prompts(url, "data.train")
+
+
+def test_dataset_rows_load_with_ids(tmp_path):
+    url = str(tmp_path / "ok.parquet")
+    write_rows(make_rows("digit", 5, 0, "train"), url)
+    rows = load_prompts(url)
+    assert len(rows) == 5 and len({r.prompt_id for r in rows}) == 5
+    assert rows[0].messages[0]["role"] == "user"

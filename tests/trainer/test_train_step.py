@@ -1,0 +1,68 @@
+import datetime as dt
+
+import torch
+
+from pipeline.buffer.schema import content_hash, to_table
+from pipeline.config import TrainerConfig
+from pipeline.models import load_model, load_tokenizer
+from pipeline.trainer.batch import collate, token_logprobs
+from pipeline.trainer.loop import train_step
+
+
+def _table(tok, rewards, versions=None):
+    rows = []
+    prompt = tok("say 7: ", add_special_tokens=False)["input_ids"]
+    for i, r in enumerate(rewards):
+        resp = tok("7" * (i % 3 + 1), add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+        rows.append({
+            "sample_id": f"s{i}", "prompt_id": "p0", "group_id": f"g{i // 4}", "data_source": "builtin/digit",
+            "prompt_token_ids": prompt, "response_token_ids": resp, "response_text": "7",
+            "behavior_logprobs": [-1.0] * len(resp), "reward": r, "token_rewards": None, "reward_extra": None,
+            "finish_reason": "stop", "policy_version": (versions or [0] * len(rewards))[i], "sampler_id": "s",
+            "created_at": dt.datetime.now(dt.timezone.utc), "content_hash": content_hash(prompt, resp),
+            "tier": "l1", "replay_count": 0, "priority": 1.0,
+        })
+    return to_table(rows)
+
+
+def test_parameters_change_after_one_step(digit_example):
+    torch.manual_seed(0)
+    model = load_model(f"{digit_example}/model").train()
+    tok = load_tokenizer(f"{digit_example}/model")
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    batch = collate(_table(tok, [1.0, 0.0, 0.5, 0.0, 1.0, 1.0, 0.0, 0.2]), tok.pad_token_id)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    _, loss, stats = train_step(model, None, opt, batch, TrainerConfig(), temperature=1.0)
+    changed = [k for k, v in model.state_dict().items() if not torch.equal(v, before[k])]
+    # every trainable matrix moved (rotary buffers are not parameters)
+    params = {k for k, _ in model.named_parameters()}
+    assert set(changed) >= params, sorted(params - set(changed))[:5]
+    assert stats["actor/grad_norm"] > 0 and torch.isfinite(loss)
+
+
+def test_no_update_when_groups_have_no_reward_variance(digit_example):
+    model = load_model(f"{digit_example}/model").train()
+    tok = load_tokenizer(f"{digit_example}/model")
+    before = {k: v.clone() for k, v in model.named_parameters()}
+    batch = collate(_table(tok, [0.5] * 8), tok.pad_token_id)
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    _, loss, stats = train_step(model, None, opt, batch, TrainerConfig(), temperature=1.0)
+    assert loss.item() == 0.0 and stats["actor/grad_norm"] == 0.0
+    assert all(torch.equal(v, before[k]) for k, v in model.named_parameters())
+
+
+def test_collate_aligns_behaviour_logprobs_with_response_tokens(digit_example):
+    tok = load_tokenizer(f"{digit_example}/model")
+    t = _table(tok, [1.0, 0.0, 0.0, 0.0])
+    b = collate(t, tok.pad_token_id)
+    row = t.to_pylist()[2]
+    p, r = len(row["prompt_token_ids"]), len(row["response_token_ids"])
+    assert b.mask[2].tolist() == [0.0] * p + [1.0] * r + [0.0] * (b.mask.shape[1] - p - r)
+    assert b.input_ids[2, p: p + r].tolist() == row["response_token_ids"]
+    assert b.behavior_logprobs[2, p: p + r].tolist() == [-1.0] * r
+    model = load_model(f"{digit_example}/model").eval()
+    with torch.no_grad():
+        lp = token_logprobs(model, b, 1.0)
+        logits = model(input_ids=b.input_ids[2:3, : p + r]).logits[0]
+    manual = torch.log_softmax(logits[p - 1], -1)[row["response_token_ids"][0]]
+    assert torch.allclose(lp[2, p], manual, atol=1e-5)
