@@ -1,0 +1,184 @@
+"""`reshard(src, dst, to=...)`: one pass from any layout to any layout.
+
+Order of work, so that bad input leaves no output and a retried task does no work:
+1. open and validate the source completely (shards, shapes, architecture, TP degree);
+2. if DST already holds a manifest: verify it and return it (same request) or refuse (different);
+3. stream: a reader thread reads whole tensors while this thread writes and checksums them; the
+   bytes in flight are capped at the largest tensor, so peak memory stays near one tensor;
+4. publish the manifest create-only (the commit). On any error the files written are removed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import queue
+import threading
+import time
+
+from ..storage import put_if_absent, url_to_fs
+from .arch import Architecture
+from .layout import MANIFEST, MANIFEST_VERSION, ReshardError, ordered, parse_format
+from .manifest import encode, read_manifest, verify
+from .sinks import META_PREFIX, make_sink
+from .sources import open_source
+
+log = logging.getLogger(__name__)
+DEFAULT_MAX_SHARD_BYTES = 5 * 10**9  # Hugging Face's default shard size
+_RESERVED = {"format", "version", "step", "source_format", "architecture", "files", "tensors", "manifest_version",
+             "tp_size", "rank_files", "world_size"}
+
+
+class _Budget:
+    """Bytes of tensors held between the reader and the writer; one tensor may always pass."""
+
+    def __init__(self, cap: int):
+        self.cap, self.used = cap, 0
+        self.cond = threading.Condition()
+        self.stopped = False
+
+    def acquire(self, n: int) -> bool:
+        with self.cond:
+            while self.used and self.used + n > self.cap and not self.stopped:
+                self.cond.wait()
+            self.used += n
+            return not self.stopped
+
+    def release(self, n: int) -> None:
+        with self.cond:
+            self.used -= n
+            self.cond.notify_all()
+
+    def stop(self) -> None:
+        with self.cond:
+            self.stopped = True
+            self.cond.notify_all()
+
+
+def _stream(source, sink, specs, log_every_s: float = 30.0) -> None:
+    budget = _Budget(max(s.nbytes for s in specs))
+    q: queue.Queue = queue.Queue()
+
+    def produce():
+        try:
+            for spec in specs:
+                if not budget.acquire(spec.nbytes):
+                    return
+                q.put((spec, source.read(spec.name)))
+            q.put(None)
+        except BaseException as e:  # noqa: BLE001 - handed to the writer thread, which raises it
+            q.put(e)
+
+    reader = threading.Thread(target=produce, name="reshard-reader", daemon=True)
+    reader.start()
+    done_bytes, total, last = 0, sum(s.nbytes for s in specs), time.monotonic()
+    try:
+        while True:
+            item = q.get()
+            if item is None:
+                break
+            if isinstance(item, BaseException):
+                raise item
+            spec, tensor = item
+            sink.write(spec, tensor)
+            del tensor, item
+            budget.release(spec.nbytes)
+            done_bytes += spec.nbytes
+            if time.monotonic() - last > log_every_s:
+                last = time.monotonic()
+                log.info("reshard: %.0f%% (%.2f of %.2f GB)", 100 * done_bytes / total, done_bytes / 1e9, total / 1e9)
+    finally:
+        budget.stop()
+        while reader.is_alive():  # drain so the reader never blocks on a full budget
+            try:
+                q.get(timeout=0.1)
+            except queue.Empty:
+                pass
+        reader.join()
+
+
+def _same_request(existing: dict, fmt: str, version, step) -> bool:
+    return existing.get("format") == fmt and existing.get("version") == version and existing.get("step") == step
+
+
+def reshard(src_url: str, dst_url: str, to: str = "hf", *, policy_version: int | None = None,
+            max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, extra: dict | None = None) -> dict:
+    """Reshard the checkpoint at `src_url` into layout `to` at `dst_url`; returns the manifest."""
+    return publish(src_url, dst_url, to, policy_version=policy_version, max_shard_bytes=max_shard_bytes, extra=extra)[0]
+
+
+def publish(src_url: str, dst_url: str, to: str = "hf", *, policy_version: int | None = None,
+            max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, extra: dict | None = None) -> tuple[dict, bool]:
+    """`reshard`, also saying whether this call committed the output (False: it already existed)."""
+    fmt = parse_format(to)
+    if max_shard_bytes < 1:
+        raise ReshardError(f"max_shard_bytes: {max_shard_bytes} must be positive")
+    fs, root = url_to_fs(dst_url)
+    source = open_source(src_url)
+    try:
+        if source.fs.protocol == fs.protocol and (root == source.root or root.startswith(source.root.rstrip("/") + "/")):
+            raise ReshardError(f"destination {dst_url!r} is the source or inside it; choose another folder")
+        arch = Architecture.from_config(source.config, source.url)
+        arch.check(source.specs, source.url)
+        if fmt.kind == "tp":
+            arch.check_tp(fmt.degree)
+        version = policy_version if policy_version is not None else source.policy_version
+        step = source.step if source.step is not None else (extra or {}).get("step")
+
+        existing = read_manifest(fs, root)
+        if existing is not None:
+            if not _same_request(existing, str(fmt), version, step):
+                raise ReshardError(
+                    f"{dst_url} already holds {existing.get('format')} step {existing.get('step')} version "
+                    f"{existing.get('version')}, not {fmt} step {step} version {version}; choose another destination"
+                )
+            verify(dst_url).raise_if_bad()
+            return existing, False
+
+        specs = ordered(source.specs)
+        meta = {"step": step, "world_size": fmt.degree, "policy_version": version, "format": "dcp"}
+        save_id = hashlib.sha256(f"{fmt}|{step}|{version}|{[(s.name, s.shape) for s in specs]}".encode()).hexdigest()[:32]
+        sink = make_sink(fmt, fs, root, specs, arch, max_shard_bytes=max_shard_bytes, meta=meta, save_id=save_id)
+        try:
+            sink.copy_meta(source.fs, source.meta_files, META_PREFIX[fmt.kind])
+            _stream(source, sink, specs)
+            sink.finish()
+            manifest = {
+                **{k: v for k, v in (extra or {}).items() if k not in _RESERVED},
+                "format": str(fmt), "version": version, "step": step, "source_format": str(source.format),
+                "architecture": arch.name, "manifest_version": MANIFEST_VERSION,
+                **sink.manifest_fields, "files": dict(sorted(sink.files.items())),
+            }
+            if put_if_absent(fs, f"{root}/{MANIFEST}", encode(manifest)):
+                return manifest, True
+            winner = read_manifest(fs, root)  # a concurrent run committed the same output first
+            return winner, False
+        except BaseException:
+            sink.abort()
+            if read_manifest(fs, root) is None:
+                _remove(fs, root, sink.committed_paths())
+            raise
+    finally:
+        source.close()
+
+
+def _remove(fs, root: str, paths: list[str]) -> None:
+    """Delete what a failed run wrote, then the folders it leaves empty."""
+    for path in paths:
+        if fs.exists(path):
+            fs.rm_file(path)
+    for folder in sorted({p.rsplit("/", 1)[0] for p in paths} | {root}, key=len, reverse=True):
+        try:
+            if fs.isdir(folder) and not fs.ls(folder):
+                fs.rmdir(folder)
+        except OSError:
+            pass
+
+
+def publish_checkpoint(run_url: str, checkpoint_url: str, version: int) -> bool:
+    """Reshard a trainer checkpoint into `policy/v<version>/` of a run and point `latest` at it.
+    Returns False when that version was already published (a retried task)."""
+    from ..policy import PolicyStore
+    from ..runs import RunDir
+
+    return PolicyStore(RunDir(run_url)).publish_folder(version, checkpoint_url)

@@ -1,0 +1,173 @@
+"""Writers of the three layouts. A sink is told the full tensor list up front (so headers can be
+written first), receives each whole tensor once in that order, and returns the manifest entries of
+the files it published. Output layouts:
+
+hf      config/tokenizer/generation files, `model.safetensors` or `model-0000i-of-0000k.safetensors`
+        + `model.safetensors.index.json` when the weights exceed `max_shard_bytes`.
+tp:N    the same metadata files plus `model-tp-rank-0000r-of-0000N.safetensors` for r < N. Each rank
+        file holds every parameter under its Hugging Face name, as the slice that rank owns (rules
+        in `arch`); the manifest's `tensors[name]` gives `shape` (full), `dtype`, `dim` (split
+        dimension, null when replicated) and `ranges` ([start, stop) along `dim`, one per rank).
+dcp:N   `dcp/` (see `dcp_io`), `hf/` with the metadata files, and `meta.json`
+        {"step", "world_size": N, "policy_version", "format": "dcp"} written after the weights.
+"""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+from .arch import Architecture
+from .dcp_io import DCPWriter
+from .files import OutFile
+from .layout import DCP_DIR, HF_INDEX, HF_META_DIR, HF_SINGLE, META, ST_CODES, Format, TensorSpec, hf_shard_name, tp_rank_name
+from .safetensors_io import SafetensorsWriter
+
+
+class Sink:
+    def __init__(self, fs, root: str):
+        self.fs, self.root = fs, root
+        self.files: dict[str, dict] = {}  # committed: relative path -> {"bytes", "sha256"}
+        self.manifest_fields: dict = {}
+        self._open: list[OutFile] = []
+
+    def _new(self, rel: str) -> OutFile:
+        f = OutFile(self.fs, f"{self.root}/{rel}")
+        self._open.append(f)
+        return f
+
+    def _commit(self, rel: str, f: OutFile) -> None:
+        self.files[rel] = f.commit()
+        self._open.remove(f)
+
+    def put(self, rel: str, data: bytes) -> None:
+        f = self._new(rel)
+        f.write(data)
+        self._commit(rel, f)
+
+    def copy_meta(self, fs_src, meta_files: dict[str, str], prefix: str = "") -> None:
+        for name, path in sorted(meta_files.items()):
+            self.put(prefix + name, fs_src.cat_file(path))
+
+    def write(self, spec: TensorSpec, t: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def finish(self) -> None:
+        """Publish whatever is still pending (indexes, markers)."""
+
+    def abort(self) -> None:
+        for f in list(self._open):
+            f.abort()
+        self._open.clear()
+
+    def committed_paths(self) -> list[str]:
+        return [f"{self.root}/{rel}" for rel in self.files]
+
+
+class HFSink(Sink):
+    def __init__(self, fs, root: str, specs: list[TensorSpec], max_shard_bytes: int):
+        super().__init__(fs, root)
+        groups: list[list[TensorSpec]] = [[]]
+        size = 0
+        for s in specs:
+            if groups[-1] and size + s.nbytes > max_shard_bytes:
+                groups.append([])
+                size = 0
+            groups[-1].append(s)
+            size += s.nbytes
+        names = [HF_SINGLE] if len(groups) == 1 else [hf_shard_name(i, len(groups)) for i in range(len(groups))]
+        self._groups = list(zip(names, groups))
+        self._file_of = {s.name: n for n, g in self._groups for s in g}
+        self._current: tuple[str, OutFile, SafetensorsWriter] | None = None
+        self._next_group = 0
+        self.total = sum(s.nbytes for s in specs)
+        self.manifest_fields = {
+            "tensors": {s.name: {"file": self._file_of[s.name], "shape": list(s.shape), "dtype": ST_CODES[s.dtype]} for s in specs}
+        }
+
+    def write(self, spec: TensorSpec, t: torch.Tensor) -> None:
+        if self._current is None:
+            name, group = self._groups[self._next_group]
+            self._next_group += 1
+            f = self._new(name)
+            self._current = (name, f, SafetensorsWriter(f, [(s.name, s.shape, s.dtype) for s in group]))
+        name, f, w = self._current
+        w.write(spec.name, t)
+        if w.done:
+            self._commit(name, f)
+            self._current = None
+
+    def finish(self) -> None:
+        if len(self._groups) > 1:
+            index = {"metadata": {"total_size": self.total}, "weight_map": dict(sorted(self._file_of.items()))}
+            self.put(HF_INDEX, json.dumps(index, indent=2).encode())
+
+
+class TPSink(Sink):
+    def __init__(self, fs, root: str, specs: list[TensorSpec], arch: Architecture, n: int):
+        super().__init__(fs, root)
+        self.n = n
+        self._pieces = {s.name: arch.tp_pieces(s, n) for s in specs}
+        self._writers = []
+        for r in range(n):
+            decl = []
+            for s in specs:
+                p = self._pieces[s.name][r]
+                shape = list(s.shape)
+                if p.dim is not None:
+                    shape[p.dim] = p.stop - p.start
+                decl.append((s.name, tuple(shape), s.dtype))
+            f = self._new(tp_rank_name(r, n))
+            self._writers.append((tp_rank_name(r, n), f, SafetensorsWriter(f, decl)))
+        self.manifest_fields = {
+            "tp_size": n,
+            "rank_files": [tp_rank_name(r, n) for r in range(n)],
+            "tensors": {
+                s.name: {
+                    "shape": list(s.shape), "dtype": ST_CODES[s.dtype], "dim": self._pieces[s.name][0].dim,
+                    "ranges": [[p.start, p.stop] if p.dim is not None else [0, 0] for p in self._pieces[s.name]],
+                }
+                for s in specs
+            },
+        }
+
+    def write(self, spec: TensorSpec, t: torch.Tensor) -> None:
+        for p, (_, _, w) in zip(self._pieces[spec.name], self._writers):
+            part = t if p.dim is None else t.narrow(p.dim, p.start, p.stop - p.start)
+            w.write(spec.name, part)  # the writer copies only non-contiguous (row-parallel) slices
+
+    def finish(self) -> None:
+        for name, f, _ in self._writers:
+            self._commit(name, f)
+
+
+class DCPSink(Sink):
+    def __init__(self, fs, root: str, n: int, meta: dict, save_id: str):
+        super().__init__(fs, root)
+        self.meta = meta
+        self.writer = DCPWriter(fs, f"{root}/{DCP_DIR}", n, save_id)
+        self.manifest_fields = {"world_size": n}
+
+    def write(self, spec: TensorSpec, t: torch.Tensor) -> None:
+        self.writer.write(spec, t)
+
+    def finish(self) -> None:
+        for rel, entry in self.writer.commit().items():
+            self.files[f"{DCP_DIR}/{rel}"] = entry
+        self.put(META, json.dumps(self.meta, indent=1, sort_keys=True).encode())
+
+    def abort(self) -> None:
+        self.writer.abort()
+        super().abort()
+
+
+def make_sink(fmt: Format, fs, root: str, specs, arch: Architecture, *, max_shard_bytes: int, meta: dict, save_id: str) -> Sink:
+    if fmt.kind == "hf":
+        return HFSink(fs, root, specs, max_shard_bytes)
+    if fmt.kind == "tp":
+        return TPSink(fs, root, specs, arch, fmt.degree)
+    return DCPSink(fs, root, fmt.degree, meta, save_id)
+
+
+META_PREFIX = {"hf": "", "tp": "", "dcp": HF_META_DIR + "/"}
