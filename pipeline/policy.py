@@ -7,31 +7,20 @@ and the manifest stays the source of truth.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
-import shutil
 import tempfile
-import time
 
 from .models import cache_dir
 from .runs import RunDir
-from .storage import is_local, list_names, put_atomic, put_if_absent, read_bytes
+from .storage import is_local, list_names, put_atomic, read_bytes
 
 VERSION_RE = re.compile(r"^v(\d{6,})$")
 
 
 def version_dirname(version: int) -> str:
     return f"v{version:06d}"
-
-
-def _sha256(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 class PolicyStore:
@@ -52,24 +41,16 @@ class PolicyStore:
         return self.fs.exists(self._dir(version) + "/manifest.json")
 
     def publish_folder(self, version: int, local_folder: str, meta: dict | None = None) -> bool:
-        """Upload a complete local HF folder as `version` and commit it. Idempotent: returns False
-        if the version was already committed (a retried task)."""
+        """Publish a complete model folder as `version` through `pipeline.reshard` (the one
+        publication path): a Hugging Face folder, or any layout it reads (a trainer checkpoint,
+        tp:N), on local disk or any fsspec URL. Idempotent: returns False if the version was
+        already committed (a retried task)."""
         if self.exists(version):
             return False
-        files = {}
-        dst = self._dir(version)
-        for name in sorted(os.listdir(local_folder)):
-            src = os.path.join(local_folder, name)
-            if not os.path.isfile(src) or name == "manifest.json":
-                continue
-            files[name] = {"bytes": os.path.getsize(src), "sha256": _sha256(src)}
-            if is_local(self.fs):
-                os.makedirs(dst, exist_ok=True)
-                shutil.copyfile(src, os.path.join(dst, name))
-            else:
-                self.fs.put_file(src, f"{dst}/{name}")
-        manifest = {"version": version, "format": "hf", "files": files, "created_at": time.time(), **(meta or {})}
-        committed = put_if_absent(self.fs, dst + "/manifest.json", json.dumps(manifest, indent=1).encode())
+        from .reshard import publish
+
+        _, committed = publish(local_folder, self.run.child_url("policy", version_dirname(version)), "hf",
+                               policy_version=version, extra=meta)
         if committed:
             latest = self.latest()
             if latest is None or version >= latest:

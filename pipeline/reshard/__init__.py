@@ -1,7 +1,7 @@
 """Checkpoint resharding between the trainer's layout and the sampler's.
 
     reshard(src_url, dst_url, to="hf" | "tp:N" | "dcp:N", *, policy_version=None) -> manifest
-    verify(dst_url) -> Verification (ok, problems)
+    verify(dst_url) -> Verification (ok, problems); verify_policy(run_url, version) raises if bad
     publish_checkpoint(run_url, checkpoint_url, version) -> bool   (into policy/v<K>/ of a run)
     save_dcp(state_dict, dst_url, hf_meta_dir, step, world_size, policy_version)   (trainer side)
 
@@ -11,11 +11,11 @@ target layout, on any fsspec URL, streaming one tensor at a time.
 """
 
 from .checkpoint import save_dcp
-from .engine import publish, publish_checkpoint, reshard
+from .engine import publish, publish_checkpoint, reshard, verify_policy
 from .layout import Format, ReshardError, parse_format
 from .manifest import Verification, verify
 
 __all__ = [
     "Format", "ReshardError", "Verification", "parse_format", "publish", "publish_checkpoint", "reshard", "save_dcp",
-    "verify",
+    "verify", "verify_policy",
 ]

@@ -182,3 +182,14 @@ def publish_checkpoint(run_url: str, checkpoint_url: str, version: int) -> bool:
     from ..runs import RunDir
 
     return PolicyStore(RunDir(run_url)).publish_folder(version, checkpoint_url)
+
+
+def verify_policy(run_url: str, version: int):
+    """Verify `policy/v<version>/` of a run against its manifest; raises ReshardError if it does not."""
+    from ..policy import version_dirname
+    from ..runs import RunDir
+    from .manifest import verify
+
+    report = verify(RunDir(run_url).child_url("policy", version_dirname(version)))
+    report.raise_if_bad()
+    return report
