@@ -34,8 +34,9 @@ def _read_table(url: str, field: str) -> pa.Table:
     if not fs.exists(path):
         raise ConfigError(f"{field}: dataset {url!r} not found; give a Parquet file in verl's column layout")
     try:
-        with fs.open(path, "rb") as f:
-            return pq.read_table(f)
+        # From bytes, not a Python file object: pyarrow 26 can abort at interpreter exit after
+        # reading through a Python file object.
+        return pq.read_table(pa.BufferReader(fs.cat_file(path)))
     except (pa.ArrowInvalid, OSError) as e:
         raise ConfigError(f"{field}: {url!r} is not a readable Parquet file ({e})") from None
 
