@@ -74,6 +74,8 @@ class SamplerConfig(_Section):
     """torch intra-op threads of the sampler process."""
     poll_s: float = Field(0.2, gt=0)
     """How often a waiting sampler looks for a new policy version or a stop marker."""
+    max_batch_tokens: int = Field(32768, gt=0)
+    """Token budget of one engine call, sum of (prompt + max_new_tokens) * n; bigger calls are split, halved on OOM."""
     vllm: dict[str, Any] = Field(default_factory=dict)
     """Extra engine arguments for the vllm backend (tensor_parallel_size, gpu_memory_utilization, ...)."""
 

@@ -12,6 +12,8 @@ from __future__ import annotations
 import os
 import threading
 import uuid
+from dataclasses import dataclass
+from datetime import datetime
 from typing import Any
 
 import fsspec
@@ -86,17 +88,24 @@ def put_if_absent(fs: fsspec.AbstractFileSystem, path: str, data: bytes) -> bool
             return True
     protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
     if protocol in ("s3", "s3a", "gs", "gcs"):
+        # s3fs sends `If-None-Match: *`; gcsfs sends `ifGenerationMatch=0`. Both answer 412 when
+        # the object exists, which they raise as FileExistsError (s3fs) or an HTTP error (gcsfs).
         try:
             fs.pipe_file(path, data, mode="create")
             return True
-        except (FileExistsError, OSError) as e:
-            if isinstance(e, FileExistsError) or "PreconditionFailed" in str(e) or "412" in str(e):
+        except (FileExistsError, OSError, ValueError) as e:
+            if isinstance(e, FileExistsError) or _is_precondition_failure(e):
                 return False
             raise
     raise NotImplementedError(
         f"create-only writes are not implemented for protocol {protocol!r}; "
         "use a local/NFS path, s3://, gs:// or memory://"
     )
+
+
+def _is_precondition_failure(e: BaseException) -> bool:
+    text = f"{type(e).__name__} {e} {getattr(e, 'code', '')}"
+    return "PreconditionFailed" in text or "412" in text or "conditionNotMet" in text
 
 
 def read_bytes(fs: fsspec.AbstractFileSystem, path: str) -> bytes:
@@ -112,3 +121,58 @@ def list_names(fs: fsspec.AbstractFileSystem, path: str) -> list[str]:
         return []
     names = [e.rstrip("/").rsplit("/", 1)[-1] for e in entries]
     return sorted(n for n in names if not n.startswith("."))
+
+
+@dataclass(frozen=True)
+class FileEntry:
+    """A file found by `list_files`: path relative to the listed folder, size, modification time."""
+
+    rel: str
+    size: int
+    mtime: float  # seconds since the epoch; 0.0 when the store does not say
+
+
+def _mtime(info: dict) -> float:
+    for key in ("mtime", "LastModified", "updated", "created", "last_modified"):
+        v = info.get(key)
+        if v is None:
+            continue
+        if isinstance(v, datetime):
+            return v.timestamp()
+        if isinstance(v, (int, float)):
+            return float(v)
+        try:
+            return datetime.fromisoformat(str(v).replace("Z", "+00:00")).timestamp()
+        except ValueError:
+            continue
+    return 0.0
+
+
+def list_files(fs: fsspec.AbstractFileSystem, path: str, include_hidden: bool = False) -> list[FileEntry]:
+    """Every file under `path` (recursive), for garbage collection and verification. Temporary
+    files (names starting with '.') are included only with `include_hidden`."""
+    try:
+        fs.invalidate_cache(path)
+        found = fs.find(path, detail=True, withdirs=False)
+    except FileNotFoundError:
+        return []
+    base = path.rstrip("/") + "/"
+    out = []
+    for full, info in found.items():
+        full = full.rstrip("/")
+        rel = full[len(base):] if full.startswith(base) else full.rsplit("/", 1)[-1]
+        if info.get("type") == "directory":
+            continue
+        if not include_hidden and any(part.startswith(".") for part in rel.split("/")):
+            continue
+        out.append(FileEntry(rel, int(info.get("size") or 0), _mtime(info)))
+    return sorted(out, key=lambda e: e.rel)
+
+
+def delete(fs: fsspec.AbstractFileSystem, path: str) -> bool:
+    """Remove one file; False if it was already gone (another gc got there first)."""
+    try:
+        fs.rm_file(path)
+        return True
+    except FileNotFoundError:
+        return False

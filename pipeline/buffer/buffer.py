@@ -15,22 +15,37 @@ from __future__ import annotations
 
 import bisect
 import logging
+import math
 import threading
+import time
 from collections import OrderedDict
 
+import numpy as np
 import pyarrow as pa
 
 from ..config import BufferConfig
 from ..storage import to_url, url_to_fs
-from .log import CommitLog
+from .log import CommitConflict, CommitLog
+from .replay import ReplayBatch, annealed_beta, draw, group_stats, quality_filter
 from .schema import ROLLOUT_SCHEMA
-from .shards import CorruptShard, read_shard
+from .shards import CorruptShard, conform, encode, group_layout, new_shard_path, policy_range, read_shard, write_shard
 from .state import TIERS, BufferState, ShardInfo
 from .writer import ShardWriter
 
 log = logging.getLogger(__name__)
 
-_CACHE_SHARDS = 8
+_CACHE_SHARDS = 64
+
+
+def _still_live(paths: list[str]):
+    """Commit precondition: every shard about to be removed is still live."""
+
+    def check(st: BufferState) -> None:
+        gone = [p for p in paths if p not in st.shards]
+        if gone:
+            raise CommitConflict(f"shards already removed by another process: {gone[:3]}")
+
+    return check
 
 
 def parse_cursor(cursor: dict | None) -> tuple[int, int]:
@@ -165,23 +180,215 @@ class ReplayBuffer:
                 total += n - g if s == seq else n
             return max(total, 0)
 
+    def committed_groups(self) -> int:
+        """Groups ever committed to L1 (monotonic: compaction and eviction do not lower it)."""
+        with self._lock:
+            return self.refresh().l1_groups_added
+
+    def mark_consumed(self, cursor: dict, consumer: str = "trainer") -> int:
+        """Record a reader's L1 position in the log: compaction archives only what was consumed,
+        and the rate limiter measures the reader's progress from it."""
+        seq, g = parse_cursor(cursor)
+        with self._lock:
+            st = self.refresh()
+            groups = st.groups_before(seq, g)
+            return self.log.commit([{"op": "consumed", "consumer": consumer,
+                                     "cursor": {"seq": seq, "group": g}, "groups": groups}])
+
+    # L2 warm ----------------------------------------------------------------------------------
+    def promote(self, table: pa.Table, cursor: dict | None = None, consumer: str = "trainer") -> dict:
+        """Commit the groups of `table` (consumed fresh data) that pass the quality filter to L2.
+
+        With `cursor`, the consumer's L1 position is recorded in the same commit. Also applies the
+        L2 bound: groups that used up their replays leave first, then the oldest shards."""
+        cfg = self.config
+        counts = {"groups_in": 0, "promoted": 0, "no_variance": 0, "threshold": 0, "duplicate": 0, "evicted_shards": 0}
+        actions: list[dict] = []
+        if table.num_rows:
+            table, gsizes = group_layout(conform(table))
+            stats = group_stats(table, gsizes)
+            counts["groups_in"] = len(stats)
+            with self._lock:
+                st = self.refresh()
+                known = set(st.l2_hashes) if cfg.l2_dedup else set()
+                prio0 = max((g.priority for g in st.l2_groups.values()), default=1.0)
+                taken_keys = set(st.l2_groups)
+            kept, why = quality_filter(stats, known, cfg.l2_min_reward_std, cfg.l2_min_reward_mean,
+                                       cfg.l2_max_reward_mean, dedup=cfg.l2_dedup)
+            counts.update(why)
+            fresh_keys = []
+            for gs in kept:
+                if gs.key in taken_keys:  # the same group promoted twice (e.g. a replayed step)
+                    counts["duplicate"] += 1
+                else:
+                    taken_keys.add(gs.key)
+                    fresh_keys.append(gs)
+            if fresh_keys:
+                idx = np.concatenate([np.arange(g.start, g.start + g.count) for g in fresh_keys])
+                sub = table.take(pa.array(idx))
+                sub = sub.set_column(sub.schema.get_field_index("tier"), "tier",
+                                     pa.array(["l2"] * sub.num_rows, pa.string()))
+                data = encode(sub, cfg.shard_compression)
+                rel = new_shard_path("l2", "promote")
+                write_shard(self.fs, self.root, rel, data)
+                groups, start = [], 0
+                for g in fresh_keys:
+                    groups.append([g.key, start, g.count, g.ghash, prio0])
+                    start += g.count
+                actions.append({"op": "add", "path": rel, "tier": "l2", "rows": sub.num_rows,
+                                "bytes": len(data), "gsizes": [g.count for g in fresh_keys],
+                                "pv": list(policy_range(sub)), "t": time.time(), "groups": groups})
+                counts["promoted"] = len(fresh_keys)
+        if cursor is not None:
+            seq, g = parse_cursor(cursor)
+            actions.append({"op": "consumed", "consumer": consumer, "cursor": {"seq": seq, "group": g}})
+        if not actions:
+            return counts
+        with self._lock:
+            while True:
+                st = self.refresh()
+                evict = self._l2_evictions(st, counts["promoted"])
+                for a in actions:
+                    if a["op"] == "consumed":
+                        a["groups"] = st.groups_before(a["cursor"]["seq"], a["cursor"]["group"])
+                try:
+                    self.log.commit([{"op": "remove", "path": p} for p in evict] + actions,
+                                    precondition=_still_live(evict))
+                    break
+                except CommitConflict:
+                    continue  # another process evicted first: recompute against the new state
+        counts["evicted_shards"] = len(evict)
+        return counts
+
+    def _l2_evictions(self, st: BufferState, incoming: int) -> list[str]:
+        """L2 shards to remove: those whose groups all used up their replays, then the oldest
+        until the tier fits `l2_max_groups` with `incoming` more groups."""
+        max_replays = self.config.num_epochs_per_sample
+        shards = st.tier_shards("l2")
+        total = len(st.l2_groups) + incoming
+        evict = []
+        for info in shards:
+            keys = st.l2_by_path.get(info.path, [])
+            if all(st.l2_groups[k].replays >= max_replays for k in keys):
+                evict.append(info.path)
+                total -= len(keys)
+        for info in shards:
+            if total <= self.config.l2_max_groups:
+                break
+            if info.path not in evict:
+                evict.append(info.path)
+                total -= len(st.l2_by_path.get(info.path, []))
+        return evict
+
+    def sample_replay(self, num_groups: int, step: int, rng_seed: int) -> ReplayBatch:
+        """Up to `num_groups` eligible L2 groups drawn by priority, with per-row importance weights.
+
+        The same state, step and seed give the same batch. Call `update_priorities(batch.keys, ...)`
+        after training on it: that is what counts the replay."""
+        cfg = self.config
+        beta = annealed_beta(step, cfg.priority_beta0, cfg.priority_beta_steps)
+        with self._lock:
+            st = self.refresh()
+            keys, probs, weights = draw(st.l2_groups, cfg.num_epochs_per_sample, num_groups,
+                                        cfg.priority_alpha, beta, cfg.priority_eps, rng_seed)
+            picked = [(k, st.l2_groups[k], st.shards[st.l2_groups[k].path]) for k in keys]
+        pieces, row_w, kept, kept_p = [], [], [], []
+        for (key, grp, info), p, w in zip(picked, probs, weights):
+            table = self.load_shard(info)
+            if table is None:
+                continue
+            pieces.append(table.slice(grp.start, grp.count))
+            row_w.append(np.full(grp.count, w, dtype=np.float32))
+            kept.append(key)
+            kept_p.append(p)
+        if not pieces:
+            return ReplayBatch(ROLLOUT_SCHEMA.empty_table(), np.zeros(0, np.float32), [], np.zeros(0), beta)
+        return ReplayBatch(pa.concat_tables(pieces), np.concatenate(row_w), kept, np.array(kept_p), beta)
+
+    def update_priorities(self, keys: list[str], priorities) -> int:
+        """Set new priorities for replayed groups and count one replay each (append-only log)."""
+        pr = [float(p) for p in np.asarray(priorities, dtype=np.float64).reshape(-1)]
+        if len(pr) != len(keys):
+            raise ValueError(f"update_priorities: {len(keys)} keys but {len(pr)} priorities; pass one per key")
+        bad = [p for p in pr if not math.isfinite(p) or p < 0]
+        if bad:
+            raise ValueError(f"update_priorities: priorities must be finite and >= 0, got {bad[:3]}; "
+                             "use e.g. the mean absolute advantage of the group")
+        if not keys:
+            return self.state.version
+        return self.commit([{"op": "prio", "keys": list(keys), "p": pr}])
+
+    def eligible_replay_groups(self) -> int:
+        """L2 groups that may still be replayed (fewer than num_epochs_per_sample replays)."""
+        with self._lock:
+            return self.refresh().eligible(self.config.num_epochs_per_sample)
+
+    # maintenance ------------------------------------------------------------------------------
+    def compact(self, everything: bool = False) -> dict:
+        """Archive consumed L1 shards into L3 (all of L1 with `everything`) and apply L3 limits."""
+        from .archive import compact
+
+        return compact(self, everything)
+
+    def gc(self, grace_s: float | None = None, log_retention_s: float | None = None) -> dict:
+        """Delete orphaned files and old log entries (see vacuum.py for what is safe to delete)."""
+        from .vacuum import vacuum
+
+        return vacuum(self, grace_s, log_retention_s)
+
+    def verify(self) -> dict:
+        from .vacuum import verify
+
+        return verify(self)
+
+    def rate_limiter(self, consumer: str = "trainer"):
+        from .ratelimit import RateLimiter
+
+        return RateLimiter(self, consumer)
+
+    def archive_files(self) -> list[str]:
+        from .archive import archive_files
+
+        return archive_files(self)
+
+    def archive_dataset(self):
+        from .archive import archive_dataset
+
+        return archive_dataset(self)
+
     # reporting --------------------------------------------------------------------------------
-    def stats(self) -> dict:
-        """Rows, bytes, shards and groups per tier, plus log position and bad shards."""
+    def stats(self, current_version: int | None = None) -> dict:
+        """Rows, bytes, shards and groups per tier, staleness (rows by policy versions behind
+        `current_version`, default the newest version in the buffer) and L2 replay counts."""
         with self._lock:
             st = self.refresh()
             tiers = {t: {"rows": 0, "bytes": 0, "shards": 0, "groups": 0} for t in TIERS}
+            newest = -1
             for info in st.shards.values():
                 d = tiers[info.tier]
                 d["rows"] += info.rows
                 d["bytes"] += info.bytes
                 d["shards"] += 1
                 d["groups"] += info.groups
+                newest = max(newest, info.pv[1])
+            now_v = newest if current_version is None else current_version
+            staleness: dict[str, int] = {}
+            for s in st.l1_seqs:
+                info = st.shards[st.l1_by_seq[s]]
+                k = str(max(now_v - info.pv[0], 0))
+                staleness[k] = staleness.get(k, 0) + info.rows
+            replays: dict[str, int] = {}
+            for g in st.l2_groups.values():
+                replays[str(g.replays)] = replays.get(str(g.replays), 0) + 1
             return {
                 "url": self.url,
                 "version": st.version,
                 "tiers": tiers,
                 "l1_groups_committed": st.l1_groups_added,
+                "l2_eligible_groups": st.eligible(self.config.num_epochs_per_sample),
+                "replays_done": st.replays_done,
+                "l1_staleness_rows": dict(sorted(staleness.items(), key=lambda kv: int(kv[0]))),
+                "l2_replay_groups": dict(sorted(replays.items(), key=lambda kv: int(kv[0]))),
                 "consumed": dict(st.consumed),
                 "quarantined": dict(st.quarantined),
             }

@@ -37,6 +37,7 @@ class ShardInfo:
     t: float  # commit time
     version: int  # log version that added it
     seq: int = -1  # position in the L1 stream (commit order); -1 outside L1
+    g0: int = 0  # L1 groups committed before this shard (turns a cursor into a consumed-group count)
 
     @property
     def groups(self) -> int:
@@ -45,12 +46,12 @@ class ShardInfo:
     def to_json(self) -> dict:
         return {"path": self.path, "tier": self.tier, "rows": self.rows, "bytes": self.bytes,
                 "gsizes": self.gsizes, "pv": list(self.pv), "t": self.t, "version": self.version,
-                "seq": self.seq}
+                "seq": self.seq, "g0": self.g0}
 
     @classmethod
     def from_json(cls, d: dict) -> "ShardInfo":
         return cls(d["path"], d["tier"], d["rows"], d["bytes"], list(d["gsizes"]), tuple(d["pv"]),
-                   d["t"], d["version"], d.get("seq", -1))
+                   d["t"], d["version"], d.get("seq", -1), d.get("g0", 0))
 
 
 @dataclass
@@ -100,7 +101,7 @@ class BufferState:
                         g.replays += 1
                         self.replays_done += 1
             elif op == "consumed":
-                self.consumed[a["consumer"]] = dict(a["cursor"])
+                self.consumed[a["consumer"]] = {**a["cursor"], "groups": int(a.get("groups", 0))}
             elif op == "quarantine":
                 self.quarantined[a["path"]] = a["reason"]
                 self._remove(a["path"], t, tombstone=False)
@@ -116,6 +117,7 @@ class BufferState:
             return  # idempotent: a shard is added once
         if info.tier == "l1":
             info.seq = self.next_seq
+            info.g0 = self.l1_groups_added
             self.next_seq += 1
             self.l1_seqs.append(info.seq)
             self.l1_by_seq[info.seq] = info.path
@@ -148,6 +150,17 @@ class BufferState:
         self.l2_by_path.setdefault(g.path, []).append(key)
 
     # ------------------------------------------------------------------------------------------
+    def groups_before(self, cursor_seq: int, cursor_group: int) -> int:
+        """L1 groups committed before an L1 cursor position (consumed by a reader at that cursor)."""
+        i = bisect.bisect_left(self.l1_seqs, cursor_seq)
+        if i == len(self.l1_seqs):
+            return self.l1_groups_added
+        info = self.shards[self.l1_by_seq[self.l1_seqs[i]]]
+        return info.g0 + (cursor_group if info.seq == cursor_seq else 0)
+
+    def eligible(self, max_replays: int) -> int:
+        return sum(1 for g in self.l2_groups.values() if g.replays < max_replays)
+
     def tier_shards(self, tier: str) -> list[ShardInfo]:
         if tier == "l1":
             return [self.shards[self.l1_by_seq[s]] for s in self.l1_seqs]

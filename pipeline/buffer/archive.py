@@ -1,0 +1,160 @@
+"""L3 cold tier: compaction of consumed L1 shards into large zstd files, and archive retention.
+
+Files land under `l3/run=<run_id>/policy=<version>/part-<id>.parquet` (Hive partitioning; the key
+is `policy`, not `policy_version`, because that column is also inside the files and the two would
+clash). Only files named by the commit log are part of the archive: read it with
+`archive_dataset(buf)` (pyarrow.dataset) or DuckDB on `archive_files(buf)`. A glob over `l3/`
+also works after `gc`, which removes the leftovers of interrupted compactions.
+
+Compaction is one commit per chunk: add the new L3 files and remove the inputs, on the condition
+that every input is still live. If another compactor got there first the commit is abandoned and
+its files become orphans for gc; readers never see rows twice.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from typing import TYPE_CHECKING
+
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from ..config import RUN_ID_RE
+from .log import CommitConflict
+from .shards import encode, group_layout, policy_range, write_shard
+from .state import BufferState, ShardInfo
+
+if TYPE_CHECKING:
+    from .buffer import ReplayBuffer
+
+log = logging.getLogger(__name__)
+
+
+def run_id_of(buf: "ReplayBuffer") -> str:
+    """The run a buffer belongs to: the name of the folder holding it (`<runs>/<run_id>/buffer`)."""
+    parts = buf.root.rstrip("/").split("/")
+    name = parts[-2] if len(parts) >= 2 else ""
+    return name if RUN_ID_RE.match(name or "") and ".." not in name else "default"
+
+
+def _chunks(shards: list[ShardInfo], max_rows: int) -> list[list[ShardInfo]]:
+    out, cur, rows = [], [], 0
+    for s in shards:
+        if cur and rows + s.rows > max_rows:
+            out.append(cur)
+            cur, rows = [], 0
+        cur.append(s)
+        rows += s.rows
+    if cur:
+        out.append(cur)
+    return out
+
+
+def _still_live(paths: list[str]):
+    def check(st: BufferState) -> None:
+        gone = [p for p in paths if p not in st.shards]
+        if gone:
+            raise CommitConflict(f"compaction inputs already removed: {gone[:3]}")
+
+    return check
+
+
+def compact(buf: "ReplayBuffer", everything: bool = False, consumer: str = "trainer") -> dict:
+    """Archive consumed L1 shards (all L1 shards with `everything`, e.g. when a run finishes) into
+    L3 and merge small L3 files of the same partition. Returns counts of what was done."""
+    cfg = buf.config
+    st = buf.refresh()
+    l1 = st.tier_shards("l1")
+    if not everything:
+        cur = st.consumed.get(consumer)
+        l1 = [s for s in l1 if cur is not None and s.seq < int(cur["seq"])]
+    small = [s for s in st.tier_shards("l3") if s.rows < cfg.compact_target_rows // 2]
+    by_part: dict[int, list[ShardInfo]] = {}
+    for s in small:
+        by_part.setdefault(s.pv[0], []).append(s)
+    merge = [s for group in by_part.values() if len(group) >= 2 for s in group]
+    done = {"l1_shards_in": 0, "l3_files_in": 0, "l3_files_out": 0, "rows": 0, "conflicts": 0}
+    for chunk in _chunks(l1, cfg.compact_target_rows) + _chunks(merge, cfg.compact_target_rows):
+        try:
+            out = _compact_chunk(buf, chunk)
+        except CommitConflict as e:
+            log.warning("buffer %s: compaction chunk skipped: %s", buf.url, e)
+            done["conflicts"] += 1
+            continue
+        done["l1_shards_in"] += sum(1 for s in chunk if s.tier == "l1")
+        done["l3_files_in"] += sum(1 for s in chunk if s.tier == "l3")
+        done["l3_files_out"] += out
+        done["rows"] += sum(s.rows for s in chunk)
+    done.update(enforce_l3_limits(buf))
+    return done
+
+
+def _compact_chunk(buf: "ReplayBuffer", chunk: list[ShardInfo]) -> int:
+    tables, inputs = [], []
+    for info in chunk:
+        t = buf.load_shard(info)  # a corrupt input is quarantined, not archived
+        if t is not None:
+            tables.append(t)
+            inputs.append(info.path)
+    if not inputs:
+        return 0
+    table = pa.concat_tables(tables)
+    table = table.set_column(table.schema.get_field_index("tier"), "tier", pa.array(["l3"] * table.num_rows))
+    run_id = run_id_of(buf)
+    actions = []
+    versions = pc.unique(table.column("policy_version")).to_pylist()
+    for pv in sorted(versions):
+        part = table.filter(pc.equal(table.column("policy_version"), pv))
+        part, gsizes = group_layout(part)
+        data = encode(part, "zstd")
+        rel = f"l3/run={run_id}/policy={int(pv)}/part-{uuid.uuid4().hex}.parquet"
+        write_shard(buf.fs, buf.root, rel, data)
+        actions.append({"op": "add", "path": rel, "tier": "l3", "rows": part.num_rows, "bytes": len(data),
+                        "gsizes": gsizes, "pv": list(policy_range(part)), "t": time.time()})
+    removes = [{"op": "remove", "path": p} for p in inputs]
+    buf.commit(removes + actions, precondition=_still_live(inputs))
+    return len(actions)
+
+
+def enforce_l3_limits(buf: "ReplayBuffer") -> dict:
+    """Drop archive files past `l3_retention_s`, then the oldest until `l3_max_rows` holds."""
+    cfg = buf.config
+    st = buf.refresh()
+    files = st.tier_shards("l3")  # commit order: oldest first
+    now = time.time()
+    drop = []
+    if cfg.l3_retention_s is not None:
+        drop = [s.path for s in files if now - s.t > cfg.l3_retention_s]
+    if cfg.l3_max_rows is not None:
+        rows = sum(s.rows for s in files if s.path not in drop)
+        for s in files:
+            if rows <= cfg.l3_max_rows:
+                break
+            if s.path not in drop:
+                drop.append(s.path)
+                rows -= s.rows
+    if drop:
+        try:
+            buf.commit([{"op": "remove", "path": p} for p in drop], precondition=_still_live(drop))
+        except CommitConflict:
+            return {"l3_dropped": 0}
+    return {"l3_dropped": len(drop)}
+
+
+def archive_files(buf: "ReplayBuffer") -> list[str]:
+    """URLs of the committed L3 files (what a DuckDB `read_parquet([...])` should read)."""
+    st = buf.refresh()
+    return [buf.fs.unstrip_protocol(f"{buf.root}/{s.path}") for s in st.tier_shards("l3")]
+
+
+def archive_dataset(buf: "ReplayBuffer"):
+    """The committed L3 archive as a `pyarrow.dataset.Dataset` with `run` and `policy` partition
+    columns."""
+    import pyarrow.dataset as ds
+
+    st = buf.refresh()
+    paths = [f"{buf.root}/{s.path}" for s in st.tier_shards("l3")]
+    return ds.dataset(paths, format="parquet", filesystem=buf.fs, partitioning="hive",
+                      partition_base_dir=f"{buf.root}/l3")

@@ -1,0 +1,89 @@
+"""`rlhf buffer stats|verify|compact|gc URL`: inspect and maintain a buffer from a shell.
+
+URL is a buffer (`.../<run_id>/buffer`) or a run directory (its `buffer/` and the buffer settings
+of its frozen config are used).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from ..config import BufferConfig
+
+
+def open_buffer(url: str):
+    from ..storage import join, url_to_fs
+    from .buffer import ReplayBuffer
+
+    fs, root = url_to_fs(url)
+    if fs.exists(join(root, "config.yaml")):
+        from ..runs import RunDir
+
+        run = RunDir(url)
+        return ReplayBuffer(run.buffer_url, run.config().buffer)
+    return ReplayBuffer(url, BufferConfig())
+
+
+def _print(obj) -> None:
+    print(json.dumps(obj, indent=1, sort_keys=True, default=str))
+
+
+def cmd_stats(args) -> int:
+    _print(open_buffer(args.url).stats(current_version=args.current_version))
+    return 0
+
+
+def cmd_verify(args) -> int:
+    report = open_buffer(args.url).verify()
+    _print(report)
+    if not report["ok"]:
+        for p in report["problems"]:
+            print(f"problem: {p}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def cmd_compact(args) -> int:
+    _print(open_buffer(args.url).compact(everything=args.all))
+    return 0
+
+
+def cmd_gc(args) -> int:
+    _print(open_buffer(args.url).gc(grace_s=args.grace_s, log_retention_s=args.log_retention_s))
+    return 0
+
+
+def add_parser(subparsers) -> None:
+    p = subparsers.add_parser("buffer", help="inspect and maintain a replay buffer")
+    sub = p.add_subparsers(dest="buffer_cmd", required=True)
+
+    s = sub.add_parser("stats", help="rows, bytes, shards per tier; staleness and replay histograms")
+    s.add_argument("url")
+    s.add_argument("--current-version", type=int, default=None,
+                   help="policy version to measure staleness against (default: newest in the buffer)")
+    s.set_defaults(fn=cmd_stats)
+
+    s = sub.add_parser("verify", help="check every committed shard against the log and schema (exit 1 on a problem)")
+    s.add_argument("url")
+    s.set_defaults(fn=cmd_verify)
+
+    s = sub.add_parser("compact", help="archive consumed L1 shards into large L3 files")
+    s.add_argument("url")
+    s.add_argument("--all", action="store_true", help="archive all of L1, consumed or not (end of run)")
+    s.set_defaults(fn=cmd_compact)
+
+    s = sub.add_parser("gc", help="delete orphaned files and log entries covered by a checkpoint")
+    s.add_argument("url")
+    s.add_argument("--grace-s", type=float, default=None, help="minimum age of an orphan (default: config)")
+    s.add_argument("--log-retention-s", type=float, default=None,
+                   help="minimum age of a log entry to delete (default: config)")
+    s.set_defaults(fn=cmd_gc)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="rlhf")
+    add_parser(parser.add_subparsers(dest="cmd", required=True))
+    args = parser.parse_args(argv)
+    return args.fn(args)

@@ -1,0 +1,63 @@
+"""Flow control for the sampler: wait instead of producing rollouts nobody will train on.
+
+Three bounds, each off unless configured (`BufferConfig`):
+
+- `samples_per_insert` (as in Reverb): inserts are L1 groups committed, samples are groups the
+  trainer used (fresh groups consumed + L2 replays). The sampler may insert while
+  `(inserts + n) * spi - samples <= rate_error_groups * spi`, so over time every inserted group is
+  sampled about `spi` times.
+- `max_fresh_backlog`: at most this many L1 groups committed and not yet consumed.
+- `l1_max_rows`: the L1 tier never drops unconsumed data; when it is full the sampler waits for the
+  trainer to consume and for compaction to archive.
+
+Consumption is what the trainer records in the log (`promote(..., cursor=...)` or
+`mark_consumed`); a trainer that records nothing makes the first two bounds block for ever, which is
+why the wait names the bound and the numbers. Staleness (policy versions) is bounded by the
+sampler itself, where the versions are known.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Callable
+
+if TYPE_CHECKING:
+    from .buffer import ReplayBuffer
+
+
+class RateLimiter:
+    def __init__(self, buffer: "ReplayBuffer", consumer: str = "trainer"):
+        self.buffer = buffer
+        self.consumer = consumer
+
+    def blocked_by(self, groups: int) -> str | None:
+        """Why inserting `groups` more groups must wait now, or None if it may go ahead."""
+        cfg = self.buffer.config
+        st = self.buffer.refresh()
+        inserted = st.l1_groups_added
+        consumed = int(st.consumed.get(self.consumer, {}).get("groups", 0))
+        if cfg.samples_per_insert is not None:
+            spi = cfg.samples_per_insert
+            samples = consumed + st.replays_done
+            if (inserted + groups) * spi - samples > cfg.rate_error_groups * spi:
+                return (f"samples_per_insert={spi}: {inserted} groups inserted, {samples} sampled "
+                        f"(slack {cfg.rate_error_groups} groups)")
+        if cfg.max_fresh_backlog is not None and inserted - consumed + groups > cfg.max_fresh_backlog:
+            return f"max_fresh_backlog={cfg.max_fresh_backlog}: {inserted - consumed} groups not yet consumed"
+        l1_rows = sum(st.shards[st.l1_by_seq[s]].rows for s in st.l1_seqs)
+        if l1_rows >= cfg.l1_max_rows:
+            return f"l1_max_rows={cfg.l1_max_rows}: L1 holds {l1_rows} rows; waiting for consumption and compaction"
+        return None
+
+    def wait_to_insert(self, groups: int, timeout_s: float | None = None, poll_s: float = 0.2,
+                       should_stop: Callable[[], bool] | None = None) -> float:
+        """Block until `groups` more groups may be inserted (or `should_stop()`); returns seconds
+        waited. Raises TimeoutError naming the bound after `timeout_s`."""
+        t0 = time.monotonic()
+        while True:
+            reason = self.blocked_by(groups)
+            if reason is None or (should_stop is not None and should_stop()):
+                return time.monotonic() - t0
+            if timeout_s is not None and time.monotonic() - t0 > timeout_s:
+                raise TimeoutError(f"buffer {self.buffer.url}: sampler waited {timeout_s:.0f}s on {reason}")
+            time.sleep(poll_s)

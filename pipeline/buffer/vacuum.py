@@ -1,0 +1,110 @@
+"""Garbage collection and verification of a buffer directory.
+
+Files on storage fall into three kinds: live (named by the state), quarantined (kept for
+inspection) and everything else — shards of writers killed before their commit, inputs of
+compactions, evicted shards, temporary files of interrupted writes. `vacuum` deletes the last kind,
+but only once older than `orphan_grace_s` (by removal time when the log removed them, else by
+modification time): a writer may be between writing a data file and committing it, and a reader
+may still be reading a shard that was just compacted away.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+from ..storage import delete, join, list_files
+from .log import LOG_DIR, POINTER, checkpoint_name, entry_name
+from .schema import SchemaError
+from .shards import CorruptShard, group_layout, read_shard
+
+if TYPE_CHECKING:
+    from .buffer import ReplayBuffer
+
+DATA_DIRS = ("l1", "l2", "l3")
+
+
+def vacuum(buf: "ReplayBuffer", grace_s: float | None = None, log_retention_s: float | None = None,
+           now: float | None = None) -> dict:
+    """Delete unreferenced data files and log entries covered by a checkpoint. Returns counts."""
+    cfg = buf.config
+    grace = cfg.orphan_grace_s if grace_s is None else grace_s
+    log_retention = cfg.log_retention_s if log_retention_s is None else log_retention_s
+    now = time.time() if now is None else now
+    st = buf.refresh()
+    keep = set(st.shards) | set(st.quarantined)
+    out = {"orphans_deleted": 0, "orphans_kept_young": 0, "log_entries_deleted": 0, "checkpoints_deleted": 0,
+           "bytes_freed": 0}
+    for d in DATA_DIRS:
+        for f in list_files(buf.fs, join(buf.root, d), include_hidden=True):
+            rel = f"{d}/{f.rel}"
+            if rel in keep:
+                continue
+            since = st.tombstones.get(rel, f.mtime)
+            if now - since < grace:
+                out["orphans_kept_young"] += 1
+                continue
+            if delete(buf.fs, join(buf.root, rel)):
+                out["orphans_deleted"] += 1
+                out["bytes_freed"] += f.size
+    ptr = buf.log._read_pointer()
+    ckpts = buf.log.checkpoint_versions()
+    for f in list_files(buf.fs, join(buf.root, LOG_DIR), include_hidden=True):
+        name = f.rel
+        old = now - f.mtime >= log_retention
+        if name.startswith("."):  # temporary file of an interrupted create-only write
+            if now - f.mtime >= grace and delete(buf.fs, join(buf.log.dir, name)):
+                out["orphans_deleted"] += 1
+            continue
+        if not old or name == POINTER or not name[:20].isdigit():
+            continue
+        v = int(name[:20])
+        if name == entry_name(v) and v < ptr:
+            out["log_entries_deleted"] += delete(buf.fs, join(buf.log.dir, name))
+        elif name == checkpoint_name(v) and v < ptr and v not in ckpts[-2:]:
+            out["checkpoints_deleted"] += delete(buf.fs, join(buf.log.dir, name))
+    return out
+
+
+def verify(buf: "ReplayBuffer") -> dict:
+    """Check the log's continuity and every live shard against the log and the rollout schema.
+    Read-only: reports, never repairs. `ok` is False on any problem."""
+    problems: list[str] = []
+    try:
+        st = buf.refresh()
+    except (ValueError, RuntimeError, SchemaError) as e:
+        return {"ok": False, "problems": [f"commit log unreadable: {e}"], "checked_shards": 0}
+    versions = buf.log.entry_versions()
+    if versions:
+        missing = sorted(set(range(versions[0], versions[-1] + 1)) - set(versions))
+        if missing:
+            problems.append(f"{buf.log.dir}: commit log has gaps at versions {missing[:10]}")
+        if versions[-1] != st.version:
+            problems.append(f"{buf.log.dir}: last entry {versions[-1]} but the replayed state is at {st.version}")
+    ptr = buf.log._read_pointer()
+    if ptr and ptr > st.version:
+        problems.append(f"{buf.log.dir}/{POINTER}: names checkpoint {ptr}, past the last entry {st.version}")
+    checked = 0
+    for info in list(st.shards.values()):
+        path = join(buf.root, info.path)
+        try:
+            table = read_shard(buf.fs, buf.root, info.path)
+        except FileNotFoundError:
+            problems.append(f"{path}: committed in version {info.version} but missing on storage")
+            continue
+        except (CorruptShard, SchemaError) as e:
+            problems.append(str(e))
+            continue
+        checked += 1
+        if table.num_rows != info.rows:
+            problems.append(f"{path}: {table.num_rows} rows, the commit log says {info.rows}")
+            continue
+        _, gsizes = group_layout(table)
+        if gsizes != info.gsizes:
+            problems.append(f"{path}: group sizes {gsizes[:8]} differ from the commit log's {info.gsizes[:8]}")
+    orphans = 0
+    for d in DATA_DIRS:
+        orphans += sum(1 for f in list_files(buf.fs, join(buf.root, d), include_hidden=True)
+                       if f"{d}/{f.rel}" not in st.shards and f"{d}/{f.rel}" not in st.quarantined)
+    return {"ok": not problems, "problems": problems, "checked_shards": checked, "version": st.version,
+            "quarantined": dict(st.quarantined), "unreferenced_files": orphans}

@@ -1,0 +1,158 @@
+"""Bad data, garbage collection and verification."""
+
+import io
+import time
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from rollout_factory import make_groups
+
+from pipeline.buffer import ReplayBuffer
+from pipeline.buffer.schema import SCHEMA_VERSION_KEY, SchemaError
+from pipeline.buffer.shards import encode, new_shard_path, write_shard
+from pipeline.config import BufferConfig
+from pipeline.storage import join, list_files
+
+
+def _buf(url, **kw):
+    return ReplayBuffer(url, BufferConfig(checkpoint_interval=5, **kw))
+
+
+def _write(buf, prefixes):
+    with buf.writer("w") as w:
+        for p in prefixes:
+            w.write(make_groups(p, 2))
+
+
+def _overwrite(buf, rel, data):
+    buf.fs.pipe_file(join(buf.root, rel), data)
+
+
+def _l1_paths(buf):
+    return [i.path for i in buf.refresh().tier_shards("l1")]
+
+
+def test_truncated_shard_is_quarantined_and_reading_goes_on(buffer_url):
+    buf = _buf(buffer_url)
+    _write(buf, ["a", "b", "c"])
+    bad = _l1_paths(buf)[1]
+    raw = buf.fs.cat_file(join(buf.root, bad))
+    _overwrite(buf, bad, raw[: len(raw) // 2])
+    reader = _buf(buffer_url)
+    table, _ = reader.read_fresh(None, 10)
+    assert sorted(set(table.column("sample_id").to_pylist())) == sorted(
+        [f"{p}-g{i}-{j}" for p in "ac" for i in range(2) for j in range(4)])
+    q = reader.stats()["quarantined"]
+    assert list(q) == [bad] and "unreadable" in q[bad]
+    assert buf.fs.exists(join(buf.root, bad))  # kept for inspection, never garbage-collected
+    assert buf.gc(grace_s=0)["orphans_deleted"] == 0
+
+
+def test_wrong_schema_shard_is_quarantined_with_its_path(buffer_url):
+    buf = _buf(buffer_url)
+    _write(buf, ["a", "b"])
+    bad = _l1_paths(buf)[0]
+    sink = io.BytesIO()
+    pq.write_table(pa.table({"x": [1, 2]}), sink)
+    _overwrite(buf, bad, sink.getvalue())
+    table, _ = buf.read_fresh(None, 10)
+    assert set(table.column("group_id").to_pylist()) == {"b-g0", "b-g1"}
+    reason = buf.stats()["quarantined"][bad]
+    assert "wrong schema" in reason and bad in reason
+
+
+def test_newer_schema_version_is_a_clear_error(buffer_url):
+    buf = _buf(buffer_url)
+    _write(buf, ["a"])
+    rel = _l1_paths(buf)[0]
+    t = make_groups("a", 2)
+    t = t.replace_schema_metadata({SCHEMA_VERSION_KEY: b"99"})
+    _overwrite(buf, rel, encode(t, "zstd"))
+    with pytest.raises(SchemaError, match="v99.*upgrade"):
+        _buf(buffer_url).read_fresh(None, 10)
+
+
+def test_killed_writer_leftovers_are_invisible_and_collected_after_grace(buffer_url):
+    buf = _buf(buffer_url)
+    _write(buf, ["a"])
+    # a writer killed after publishing its data file but before committing it
+    orphan = new_shard_path("l1", "dead")
+    write_shard(buf.fs, buf.root, orphan, encode(make_groups("z", 2), "zstd"))
+    assert buf.fresh_backlog(None) == 2
+    assert buf.gc()["orphans_kept_young"] == 1  # within the grace period: it may still be committed
+    assert buf.fs.exists(join(buf.root, orphan))
+    out = buf.gc(grace_s=0)
+    assert out["orphans_deleted"] == 1 and not buf.fs.exists(join(buf.root, orphan))
+    assert buf.read_fresh(None, 10)[0].num_rows == 8
+
+
+def test_gc_deletes_compacted_inputs_and_old_log_entries_and_reopening_still_works(buffer_url):
+    buf = _buf(buffer_url)
+    with buf.writer("w") as w:
+        for i in range(12):
+            w.write(make_groups(f"s{i}", 2))
+            w.flush()  # one commit each: the log passes two checkpoints
+    _, cursor = buf.read_fresh(None, 100)
+    buf.mark_consumed(cursor)
+    buf.compact()
+    out = buf.gc(grace_s=0, log_retention_s=0)
+    assert out["orphans_deleted"] >= 1 and out["log_entries_deleted"] >= 1
+    names = [f.rel for f in list_files(buf.fs, join(buf.root, "l1"))]
+    assert names == []
+    again = _buf(buffer_url)
+    assert again.stats()["tiers"]["l3"]["rows"] == 12 * 8
+    assert again.verify()["ok"]
+
+
+def test_verify_reports_every_problem_with_its_path(buffer_url):
+    buf = _buf(buffer_url)
+    _write(buf, ["a", "b", "c"])
+    assert buf.verify()["ok"]
+    p0, p1, _ = _l1_paths(buf)
+    buf.fs.rm_file(join(buf.root, p0))
+    _overwrite(buf, p1, b"not parquet")
+    report = _buf(buffer_url).verify()
+    assert not report["ok"]
+    text = "\n".join(report["problems"])
+    assert p0 in text and "missing" in text
+    assert p1 in text and "unreadable" in text
+
+
+def test_reader_far_behind_log_retention_reloads_the_checkpoint(buffer_url):
+    buf = _buf(buffer_url)
+    _write(buf, ["a"])
+    behind = _buf(buffer_url)
+    behind.refresh()
+    with buf.writer("w") as w:
+        for i in range(12):
+            w.write(make_groups(f"s{i}", 1))
+            w.flush()
+    buf.gc(grace_s=0, log_retention_s=0)
+    behind.log._last_pointer_check = 0.0
+    assert behind.fresh_backlog(None) == 2 + 12
+
+
+def test_s3_style_lost_ack_is_not_a_second_commit(buffer_url):
+    """A create-only PUT that succeeded but whose answer was lost is retried, gets 412, and the
+    committer must recognise its own entry instead of committing again."""
+    from pipeline.buffer import log as log_mod
+
+    buf = _buf(buffer_url)
+    real = log_mod.put_if_absent
+    calls = {"n": 0}
+
+    def lost_ack(fs, path, data):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            real(fs, path, data)
+            return False  # looks like someone else won
+        return real(fs, path, data)
+
+    log_mod.put_if_absent = lost_ack
+    try:
+        _write(buf, ["a"])
+    finally:
+        log_mod.put_if_absent = real
+    fresh = _buf(buffer_url)
+    assert fresh.refresh().version == 1 and fresh.fresh_backlog(None) == 2
