@@ -112,6 +112,44 @@ class BufferConfig(_Section):
     """Shards queued in the asynchronous writer before `write` blocks."""
     checkpoint_interval: int = Field(50, gt=0)
     """Commit-log entries between state checkpoints; opening reads one checkpoint plus at most this many entries."""
+    num_epochs_per_sample: int = Field(2, ge=0)
+    """Times an L2 group may be replayed after its fresh use; 0 disables replay."""
+    l2_min_reward_std: float = Field(0.0, ge=0)
+    """Promote only groups whose reward standard deviation is above this (0: any non-zero spread)."""
+    l2_min_reward_mean: float | None = None
+    """Promote only groups whose mean reward is at least this (None: no lower bound)."""
+    l2_max_reward_mean: float | None = None
+    """Promote only groups whose mean reward is at most this (None: no upper bound)."""
+    l2_dedup: bool = True
+    """Drop a group whose completions (by content hash) are already in L2."""
+    priority_alpha: float = Field(0.6, ge=0)
+    """Prioritization exponent: 0 samples uniformly, 1 proportionally to priority."""
+    priority_beta0: float = Field(0.4, ge=0, le=1)
+    """Initial importance-sampling exponent, annealed linearly to 1."""
+    priority_beta_steps: int = Field(1000, ge=0)
+    """Trainer steps over which beta reaches 1 (0: always 1)."""
+    priority_eps: float = Field(1e-3, gt=0)
+    """Added to every priority so that no eligible group has zero probability."""
+    l1_max_rows: int = Field(1_000_000, gt=0)
+    """L1 bound: consumed shards are archived to L3 first; unconsumed data is never dropped, the rate limiter blocks inserts instead."""
+    l2_max_groups: int = Field(50_000, gt=0)
+    """L2 bound: groups that used up their replays go first, then the oldest shards (FIFO)."""
+    l3_max_rows: int | None = None
+    """L3 bound (None: unbounded): the oldest archive files are dropped first."""
+    l3_retention_s: float | None = None
+    """Drop L3 archive files committed longer ago than this (None: keep forever)."""
+    compact_target_rows: int = Field(100_000, gt=0)
+    """Rows per L3 file written by compaction."""
+    samples_per_insert: float | None = None
+    """Rate limiter: groups the trainer consumes (fresh + replays) per group inserted (None: no ratio bound)."""
+    rate_error_groups: int = Field(256, ge=0)
+    """Rate limiter slack: how far inserts may run ahead of samples_per_insert, in groups."""
+    max_fresh_backlog: int | None = None
+    """Rate limiter: the sampler waits while more than this many L1 groups are unconsumed (None: only l1_max_rows)."""
+    orphan_grace_s: float = Field(3600.0, ge=0)
+    """gc deletes unreferenced files only when older than this (a writer may be about to commit them)."""
+    log_retention_s: float = Field(7 * 86400.0, ge=0)
+    """gc deletes log entries covered by a checkpoint once older than this."""
 
 
 class EvalConfig(_Section):
