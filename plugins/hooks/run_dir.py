@@ -1,0 +1,151 @@
+"""The one place where Airflow code reads a run directory.
+
+Sensors, triggers and the dashboard all ask the same questions of a run (has phase k finished?
+how many replay groups are eligible? what do the curves look like?). They ask them here, so the
+marker names and the engine calls live in one module. Every method is synchronous and does
+blocking fsspec I/O: triggers call them through `asyncio.to_thread`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from airflow.sdk import BaseHook
+
+STOP_MARKER = "stop"
+TRAINER_DONE_MARKER = "trainer_done"
+# Metric keys plotted by the dashboard, per stream; any other numeric key is kept in `extra`.
+CURVE_KEYS = {
+    "trainer": ("reward/mean", "eval/score", "eval/acc", "actor/loss", "actor/kl", "perf/tokens_per_s",
+                "staleness/mean", "staleness/max", "replay/fraction"),
+    "sampler": ("reward/mean", "perf/tokens_per_s", "staleness/mean", "sampler/policy_version"),
+}
+MAX_POINTS = 400
+
+
+def phase_done_marker(phase: int) -> str:
+    """Written by the trainer when the checkpoint closing phase `phase` is complete."""
+    return f"phase_{int(phase)}.done"
+
+
+def replay_gate_marker(epoch: int) -> str:
+    """Written by the replay-gate sensor; the trainer waits for it before replay epoch `epoch`."""
+    return f"replay_gate_{int(epoch)}.open"
+
+
+def _downsample(points: list[dict], limit: int = MAX_POINTS) -> list[dict]:
+    if len(points) <= limit:
+        return points
+    stride = len(points) / limit
+    picked = [points[int(i * stride)] for i in range(limit - 1)]
+    return picked + [points[-1]]
+
+
+class RunDirHook(BaseHook):
+    """Read-mostly access to one run directory (any fsspec URL)."""
+
+    def __init__(self, run_url: str, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        if not run_url:
+            raise ValueError("run_url is empty; pass the URL returned by the prepare task")
+        self.run_url = run_url
+        self._run = None
+
+    @property
+    def run(self):
+        if self._run is None:
+            from pipeline.runs import RunDir
+
+            self._run = RunDir(self.run_url)
+        return self._run
+
+    # markers ---------------------------------------------------------------------------------
+    def marker(self, name: str) -> dict | None:
+        self.run.fs.invalidate_cache()
+        return self.run.marker(name)
+
+    def set_marker(self, name: str, payload: dict | None = None) -> None:
+        self.run.set_marker(name, payload)
+
+    def stop_requested(self) -> bool:
+        self.run.fs.invalidate_cache()
+        return self.run.stop_requested()
+
+    def request_stop(self, reason: str) -> None:
+        if not self.run.stop_requested():
+            self.run.request_stop(reason)
+
+    # buffer ----------------------------------------------------------------------------------
+    def eligible_replay_groups(self) -> int:
+        """Groups in L2 that may be replayed now (the replay gate's measure)."""
+        from pipeline.buffer import ReplayBuffer
+
+        return int(ReplayBuffer(self.run.buffer_url).eligible_replay_groups())
+
+    def buffer_stats(self) -> dict | None:
+        try:
+            from pipeline.buffer import ReplayBuffer
+        except ImportError:
+            return None
+        try:
+            stats = ReplayBuffer(self.run.buffer_url).stats()
+        except FileNotFoundError:
+            return None
+        return stats if isinstance(stats, dict) else getattr(stats, "__dict__", {"value": str(stats)})
+
+    # dashboard -------------------------------------------------------------------------------
+    def curves(self, stream: str) -> dict[str, list[list[float]]]:
+        """{metric: [[step, value], ...]} for the plotted keys of a metrics stream."""
+        out: dict[str, list[list[float]]] = {}
+        records = [r for r in self.run.read_metrics(stream) if isinstance(r.get("step"), (int, float))]
+        for key in CURVE_KEYS.get(stream, ()):
+            pts = [{"s": r["step"], "v": r[key]} for r in records if isinstance(r.get(key), (int, float))]
+            if pts:
+                out[key] = [[p["s"], p["v"]] for p in _downsample(pts)]
+        return out
+
+    def phases(self) -> list[dict]:
+        cfg = self.run.config()
+        n_phases = int(getattr(cfg.trainer, "phases", 1) or 1)
+        n_epochs = int(getattr(cfg.trainer, "replay_epochs", 0) or 0)
+        names = set(self.run.markers())
+        out = []
+        for k in range(n_phases):
+            m = self.run.marker(phase_done_marker(k)) if phase_done_marker(k) in names else None
+            out.append({"kind": "phase", "index": k, "done": m is not None,
+                        "step": (m or {}).get("step"), "checkpoint": (m or {}).get("checkpoint")})
+        for e in range(n_epochs):
+            m = self.run.marker(replay_gate_marker(e)) if replay_gate_marker(e) in names else None
+            out.append({"kind": "replay_gate", "index": e, "done": m is not None,
+                        "eligible": (m or {}).get("eligible")})
+        return out
+
+    def status(self) -> dict:
+        """Everything the dashboard shows, as one JSON-ready dict."""
+        from pipeline.policy import PolicyStore
+
+        run = self.run
+        cfg = run.config()
+        policy = PolicyStore(run)
+        latest = policy.latest()
+        trainer = self.curves("trainer")
+        return {
+            "run_id": run.run_id,
+            "run_url": run.url,
+            "config": {
+                "model": cfg.model.path, "dataset": cfg.data.train, "reward": cfg.reward.fn,
+                "algorithm": cfg.trainer.algorithm, "steps": cfg.trainer.steps,
+                "phases": getattr(cfg.trainer, "phases", None),
+                "replay_epochs": getattr(cfg.trainer, "replay_epochs", None),
+                "sampler_backend": cfg.sampler.backend,
+            },
+            "markers": sorted(run.markers()),
+            "stopped": run.stop_requested(),
+            "trainer_done": run.has_marker(TRAINER_DONE_MARKER),
+            "phases": self.phases(),
+            "policy": {"latest": latest, "versions": policy.versions(),
+                       "manifest": policy.manifest(latest) if latest is not None else None},
+            "buffer": self.buffer_stats(),
+            "curves": {"trainer": trainer, "sampler": self.curves("sampler")},
+            "summary": run.read_json("summary.json"),
+        }

@@ -1,0 +1,82 @@
+"""Inputs of a scheduled retraining run: the dated prompt partition and the starting policy."""
+
+from __future__ import annotations
+
+import os
+import re
+from datetime import datetime
+
+PROMPTS_ROOT_ENV = "RLHF_PROMPTS_ROOT"
+DATE_RE = re.compile(r"^\d{4}-\d{2}-\d{2}$")
+
+
+def partition_date(logical_date: datetime | None, dag_run) -> str:
+    """YYYY-MM-DD of the run: its logical date, or its run_after for runs triggered without one."""
+    when = logical_date or getattr(dag_run, "logical_date", None) or dag_run.run_after
+    return when.strftime("%Y-%m-%d")
+
+
+def registry_url(root: str, dag_id: str) -> str:
+    return f"{root}/registry/{dag_id}.json"
+
+
+def stage_partition(prompts_root: str, date: str, dst_url: str) -> int:
+    """Concatenate `<prompts_root>/ds=<date>/*.parquet` into one file at `dst_url`. Returns rows."""
+    import io
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from pipeline.storage import put_atomic, url_to_fs
+
+    if not DATE_RE.match(date):
+        raise ValueError(f"partition date {date!r} is not YYYY-MM-DD")
+    fs, root = url_to_fs(prompts_root)
+    part = f"{root}/ds={date}"
+    files = sorted(p for p in fs.glob(f"{part}/*.parquet") if not p.rsplit("/", 1)[-1].startswith("."))
+    if not files:
+        raise FileNotFoundError(f"no prompts for {date}: {prompts_root}/ds={date}/*.parquet is empty or missing")
+    tables = []
+    for path in files:
+        with fs.open(path, "rb") as f:
+            tables.append(pq.read_table(f))
+    table = pa.concat_tables(tables, promote_options="default")
+    buf = io.BytesIO()
+    pq.write_table(table, buf, compression="zstd")
+    dst_fs, dst = url_to_fs(dst_url)
+    put_atomic(dst_fs, dst, buf.getvalue())
+    return table.num_rows
+
+
+def prepare_retrain(dag_id: str, params: dict, conf: dict | None, date: str, runs_root: str) -> dict:
+    from plugins.dag_params import check_conf_keys
+    from plugins.registry import PolicyRegistry
+    from plugins.taskgroups import prepare_run
+
+    check_conf_keys(conf or {}, params)
+    prompts_root = (params.get("prompts_root") or os.environ.get(PROMPTS_ROOT_ENV) or "").rstrip("/")
+    if not prompts_root:
+        raise ValueError(f"prompts_root: empty; pass the root of the ds=YYYY-MM-DD partitions or set ${PROMPTS_ROOT_ENV}")
+    run_name = f"{dag_id}-{date}"
+    inputs = f"{runs_root}/inputs/{run_name}/train.parquet"
+    rows = stage_partition(prompts_root, date, inputs)
+    previous = PolicyRegistry(registry_url(runs_root, dag_id)).previous(date)
+    extra = {"data.train": inputs}
+    if previous is not None:
+        extra["model.path"] = previous["policy_url"]
+    start = previous["policy_url"] if previous else "the form's model"
+    print(f"{date}: {rows} prompts from {prompts_root}/ds={date}; starting from {start}")
+    out = prepare_run(dag_id, params, None, run_name, extra)
+    return {**out, "date": date, "start_policy": previous["policy_url"] if previous else None}
+
+
+def register_policy(dag_id: str, prepared: dict, finalized: dict) -> dict:
+    from plugins.dag_params import runs_root
+    from plugins.registry import PolicyRegistry
+
+    root = prepared["run_url"].rsplit("/", 1)[0]
+    entry = {"run_url": finalized["run_url"], "policy_url": finalized["policy_url"],
+             "version": finalized["version"], "eval_after": finalized.get("eval_after"),
+             "started_from": prepared.get("start_policy")}
+    PolicyRegistry(registry_url(runs_root(root), dag_id)).record(prepared["date"], entry)
+    return entry

@@ -1,0 +1,3 @@
+from plugins.sensors.run_dir import PhaseCheckpointSensor, ReplayGateSensor
+
+__all__ = ["PhaseCheckpointSensor", "ReplayGateSensor"]

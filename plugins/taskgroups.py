@@ -1,0 +1,149 @@
+"""The task graph of one RLHF training run, shared by `rlhf_train` and `rlhf_retrain`.
+
+    prepare ─┬─► sampler ─────────────────────────────────────────────┐ (runs until stopped)
+             ├─► trainer ──────────────────────────┬─► stop_sampler ◄─┘ (teardown)
+             ├─► phase[k]: wait_checkpoint ─► reshard ─┐
+             ├─► replay_gate[e] ───────────────────────┼─► finalize (Asset event)
+             └──────────────────────────────────────────┘
+    every task ─► watcher (fails the run when any task failed)
+
+Phases and replay epochs are run parameters, so their tasks are mapped over the lists `prepare`
+returns (dynamic task mapping) rather than generated when the file is parsed. The engine is
+imported inside the task functions only: parsing a DAG file never loads torch or pyarrow.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from airflow.sdk import Asset, task, task_group, teardown
+from airflow.sdk.exceptions import AirflowException
+
+from plugins.operators.finalize import FinalizeRunOperator
+from plugins.operators.rlhf import RlhfProcessOperator
+from plugins.sensors.run_dir import PhaseCheckpointSensor, ReplayGateSensor
+
+# One slot per accelerator: the sampler and the trainer of a run each hold one while they run, so
+# two device-heavy tasks never share a device. Create it with slots = devices (`rlhf airflow up`
+# does for the local deployment).
+DEVICE_POOL = "rlhf_devices"
+RUN_TIMEOUT = timedelta(hours=12)
+PROCESS_RETRIES = 2
+SENSOR_RETRIES = 2
+
+
+def policy_asset(dag_id: str) -> Asset:
+    """The published policy of a DAG's runs; each event's extra names the run and the version."""
+    return Asset(name=f"{dag_id}.policy", uri=f"rlhf-policy://{dag_id}")
+
+
+@task(retries=SENSOR_RETRIES, retry_delay=timedelta(seconds=5))
+def reshard(checkpoint: dict) -> dict:
+    """Trainer layout -> sampler layout, published atomically as policy v<step>; verified after."""
+    from pipeline.policy import PolicyStore
+    from pipeline.reshard import publish_checkpoint, verify_policy
+    from pipeline.runs import RunDir
+
+    run_url, version = checkpoint["run_url"], int(checkpoint["step"])
+    published = publish_checkpoint(run_url, checkpoint["checkpoint"], version)
+    store = PolicyStore(RunDir(run_url))
+    if not store.exists(version):
+        raise AirflowException(f"reshard of {checkpoint['checkpoint']} did not commit policy v{version}")
+    report = verify_policy(run_url, version)
+    print(f"phase {checkpoint['phase']}: policy v{version} published={published} verified={report}")
+    return {"phase": checkpoint["phase"], "version": version, "published_now": bool(published)}
+
+
+@task_group(group_id="phase")
+def phase_group(phase: int, run_url: str, poke_interval: float) -> None:
+    ready = PhaseCheckpointSensor(task_id="wait_checkpoint", run_url=run_url, phase=phase,
+                                  poke_interval=poke_interval, timeout=RUN_TIMEOUT.total_seconds(),
+                                  retries=SENSOR_RETRIES, retry_delay=timedelta(seconds=5))
+    reshard(ready.output)
+
+
+def _stop_sampler(run_url: str) -> str:
+    """Ask the sampler to stop once the trainer task is over, whatever its outcome. Waiting sensors
+    see the stop marker too, so a failed trainer fails them instead of leaving them waiting."""
+    from pipeline.runs import RunDir
+
+    run = RunDir(run_url)
+    if not run.stop_requested():
+        done = run.has_marker("trainer_done")
+        run.request_stop("trainer finished" if done else "trainer task ended without finishing")
+    return run_url
+
+
+# Mapping needs a task's return value (not one key of a multiple-output XCom): these two pass the
+# lists prepare computed from the validated config.
+@task(retries=1)
+def plan_phases(phases: list[int]) -> list[int]:
+    return list(phases)
+
+
+@task(retries=1)
+def plan_replay_epochs(epochs: list[int]) -> list[int]:
+    return list(epochs)
+
+
+@task(trigger_rule="one_failed", retries=0)
+def watcher() -> None:
+    """Teardown tasks succeed even when the work failed; this task makes the DAG run fail then."""
+    raise AirflowException("a task of this run failed; see the failed task's log")
+
+
+def training_run(dag_id: str, prepared, *, poke_interval: float = 5.0) -> dict:
+    """Wire sampler, trainer, phases, replay gates, finalize and the teardown after `prepared`
+    (the multiple-output XCom of the prepare task: run_url, phases, replay_epochs)."""
+    run_url = prepared["run_url"]
+    common = dict(pool=DEVICE_POOL, execution_timeout=RUN_TIMEOUT, retries=PROCESS_RETRIES,
+                  retry_delay=timedelta(seconds=10))
+    sampler = RlhfProcessOperator(task_id="sampler", role="sampler", run_url=run_url, **common)
+    trainer = RlhfProcessOperator(task_id="trainer", role="trainer", run_url=run_url, **common)
+    phases = phase_group.partial(run_url=run_url, poke_interval=poke_interval).expand(
+        phase=plan_phases(prepared["phases"]))
+    gates = ReplayGateSensor.partial(
+        task_id="replay_gate", run_url=run_url, poke_interval=poke_interval,
+        timeout=RUN_TIMEOUT.total_seconds(), retries=SENSOR_RETRIES, retry_delay=timedelta(seconds=5),
+    ).expand(epoch=plan_replay_epochs(prepared["replay_epochs"]))
+    finalize = FinalizeRunOperator(task_id="finalize", run_url=run_url, outlets=[policy_asset(dag_id)],
+                                   pool=DEVICE_POOL, execution_timeout=timedelta(hours=2), retries=1,
+                                   retry_delay=timedelta(seconds=10))
+    # A fresh teardown per DAG: the decorator keeps state between calls.
+    stop = teardown(task(task_id="stop_sampler")(_stop_sampler))(run_url)
+    [trainer, phases, gates] >> finalize
+    trainer >> stop
+    sampler.set_upstream(prepared.operator)
+    return {"sampler": sampler, "trainer": trainer, "phases": phases, "gates": gates,
+            "finalize": finalize, "stop": stop}
+
+
+def prepare_run(dag_id: str, params: dict, conf: dict | None, run_name: str, extra: dict | None = None) -> dict:
+    """Body of a DAG's prepare task: validated config -> run directory, prompts, policy v0.
+
+    `extra` holds config keys the DAG decides itself (e.g. the retrain's dated prompts), applied
+    over the form. Idempotent: a retried prepare finds the same run directory and config.
+    """
+    from pipeline.config import apply_overrides
+    from pipeline.runner import prepare
+    from pipeline.runs import run_url_for
+
+    from plugins.dag_params import build_config, runs_root
+
+    config = build_config(params, conf, run_name)
+    if extra:
+        from pipeline.config import parse_config
+
+        data = apply_overrides(config.model_dump(mode="json"), [f"{k}={_json(v)}" for k, v in extra.items()])
+        config = parse_config(data)
+    run = prepare(config, run_url_for(runs_root(params.get("storage_url") or ""), run_name))
+    n_phases = int(getattr(config.trainer, "phases", 1) or 1)
+    n_epochs = int(getattr(config.trainer, "replay_epochs", 0) or 0)
+    print(f"{dag_id}: run directory {run.url} ({n_phases} phases, {n_epochs} replay epochs)")
+    return {"run_url": run.url, "run_id": run.run_id, "phases": list(range(n_phases)),
+            "replay_epochs": list(range(n_epochs))}
+
+
+def _json(value) -> str:
+    import json
+
+    return json.dumps(value)

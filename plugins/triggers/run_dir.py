@@ -1,0 +1,93 @@
+"""Triggers that wait on a run directory in the triggerer, so waiting sensors hold no worker slot.
+
+Both poll shared storage; every fsspec call runs in a thread (`asyncio.to_thread`) because the
+triggerer's event loop serves every deferred task of the deployment. Both give up with an error
+event when the run is stopped (the teardown writes the stop marker once the trainer task has
+finished for good), so a sensor never waits out its timeout for a trainer that is gone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any, AsyncIterator
+
+from airflow.triggers.base import BaseTrigger, TriggerEvent
+
+from plugins.hooks.run_dir import RunDirHook, replay_gate_marker
+
+
+class RunMarkerTrigger(BaseTrigger):
+    """Fires when `markers/<marker>.json` exists in the run directory; its payload is the event's."""
+
+    def __init__(self, *, run_url: str, marker: str, poke_interval: float = 5.0, fail_on_stop: bool = True):
+        super().__init__()
+        self.run_url = run_url
+        self.marker = marker
+        self.poke_interval = float(poke_interval)
+        self.fail_on_stop = fail_on_stop
+
+    def serialize(self) -> tuple[str, dict[str, Any]]:
+        return (
+            f"{type(self).__module__}.{type(self).__qualname__}",
+            {"run_url": self.run_url, "marker": self.marker, "poke_interval": self.poke_interval,
+             "fail_on_stop": self.fail_on_stop},
+        )
+
+    async def run(self) -> AsyncIterator[TriggerEvent]:
+        hook = RunDirHook(self.run_url)
+        while True:
+            payload = await asyncio.to_thread(hook.marker, self.marker)
+            if payload is not None:
+                yield TriggerEvent({"status": "success", "marker": self.marker, "payload": payload})
+                return
+            if self.fail_on_stop and await asyncio.to_thread(hook.stop_requested):
+                # The marker may have been written just before the stop: look once more.
+                payload = await asyncio.to_thread(hook.marker, self.marker)
+                if payload is not None:
+                    yield TriggerEvent({"status": "success", "marker": self.marker, "payload": payload})
+                else:
+                    yield TriggerEvent({"status": "error", "marker": self.marker,
+                                        "message": f"run {self.run_url} was stopped before marker "
+                                                   f"{self.marker!r} appeared (did the trainer fail?)"})
+                return
+            await asyncio.sleep(self.poke_interval)
+
+
+class ReplayGateTrigger(BaseTrigger):
+    """Fires when the buffer holds at least `min_groups` groups eligible for replay epoch `epoch`
+    (or when the gate is already open, e.g. on a retried sensor)."""
+
+    def __init__(self, *, run_url: str, epoch: int, min_groups: int, poke_interval: float = 5.0):
+        super().__init__()
+        self.run_url = run_url
+        self.epoch = int(epoch)
+        self.min_groups = int(min_groups)
+        self.poke_interval = float(poke_interval)
+
+    def serialize(self) -> tuple[str, dict[str, Any]]:
+        return (
+            f"{type(self).__module__}.{type(self).__qualname__}",
+            {"run_url": self.run_url, "epoch": self.epoch, "min_groups": self.min_groups,
+             "poke_interval": self.poke_interval},
+        )
+
+    async def run(self) -> AsyncIterator[TriggerEvent]:
+        hook = RunDirHook(self.run_url)
+        gate = replay_gate_marker(self.epoch)
+        while True:
+            opened = await asyncio.to_thread(hook.marker, gate)
+            if opened is not None:
+                yield TriggerEvent({"status": "success", "epoch": self.epoch,
+                                    "eligible": opened.get("eligible"), "already_open": True})
+                return
+            eligible = await asyncio.to_thread(hook.eligible_replay_groups)
+            if eligible >= self.min_groups:
+                yield TriggerEvent({"status": "success", "epoch": self.epoch, "eligible": eligible,
+                                    "already_open": False})
+                return
+            if await asyncio.to_thread(hook.stop_requested):
+                yield TriggerEvent({"status": "error", "epoch": self.epoch,
+                                    "message": f"run {self.run_url} was stopped with {eligible} eligible "
+                                               f"replay groups (< {self.min_groups}) for epoch {self.epoch}"})
+                return
+            await asyncio.sleep(self.poke_interval)
