@@ -1,0 +1,125 @@
+"""Bad checkpoints fail before any output appears, with a message naming what is wrong."""
+
+import json
+import os
+import pickle
+import shutil
+
+import pytest
+
+from pipeline.reshard import ReshardError, reshard, verify
+
+
+def _copy(src, dst):
+    shutil.copytree(src, dst)
+    return str(dst)
+
+
+def _no_output(path):
+    assert not os.path.exists(path) or not os.listdir(path), os.listdir(path)
+
+
+def test_missing_dcp_shard_is_named(tiny, trainer_ckpt, tmp_path):
+    two = str(tmp_path / "two")
+    reshard(trainer_ckpt, two, to="dcp:2")
+    os.remove(os.path.join(two, "dcp", "__1_0.distcp"))
+    with pytest.raises(ReshardError, match=r"__1_0\.distcp: shard file missing"):
+        reshard(two, str(tmp_path / "out"), to="hf")
+    _no_output(tmp_path / "out")
+
+
+def test_missing_tp_rank_file_is_named(tiny, tmp_path):
+    tp = str(tmp_path / "tp")
+    reshard(tiny[2], tp, to="tp:2")
+    os.remove(os.path.join(tp, "model-tp-rank-00001-of-00002.safetensors"))
+    with pytest.raises(ReshardError, match="model-tp-rank-00001-of-00002.safetensors: shard file missing"):
+        reshard(tp, str(tmp_path / "out"), to="hf")
+    _no_output(tmp_path / "out")
+
+
+def test_checkpoint_without_meta_json_is_incomplete(trainer_ckpt, tmp_path):
+    src = _copy(trainer_ckpt, tmp_path / "step_4")
+    os.remove(os.path.join(src, "meta.json"))
+    with pytest.raises(ReshardError, match="no meta.json; the checkpoint is incomplete"):
+        reshard(src, str(tmp_path / "out"), to="hf")
+    _no_output(tmp_path / "out")
+
+
+def test_shape_that_disagrees_with_config_is_named(tiny, tmp_path):
+    src = _copy(tiny[2], tmp_path / "hf")
+    with open(os.path.join(src, "config.json")) as f:
+        cfg = json.load(f)
+    cfg["intermediate_size"] += 8
+    with open(os.path.join(src, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    with pytest.raises(ReshardError, match=r"'model.layers.0.mlp.down_proj.weight' has shape \[128, 384\].*\[128, 392\]"):
+        reshard(src, str(tmp_path / "out"), to="tp:2")
+    _no_output(tmp_path / "out")
+
+
+def test_unknown_architecture_is_named(tiny, tmp_path):
+    src = _copy(tiny[2], tmp_path / "hf")
+    with open(os.path.join(src, "config.json")) as f:
+        cfg = json.load(f)
+    cfg["architectures"] = ["GPT2LMHeadModel"]
+    with open(os.path.join(src, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    with pytest.raises(ReshardError, match="unknown architecture.*GPT2LMHeadModel.*Qwen2ForCausalLM"):
+        reshard(src, str(tmp_path / "out"), to="hf")
+    _no_output(tmp_path / "out")
+
+
+def test_truncated_safetensors_file_is_refused(tiny, tmp_path):
+    src = _copy(tiny[2], tmp_path / "hf")
+    path = os.path.join(src, "model.safetensors")
+    with open(path, "r+b") as f:
+        f.truncate(os.path.getsize(path) - 100)
+    with pytest.raises(ReshardError, match="past the end of the file; the file is truncated"):
+        reshard(src, str(tmp_path / "out"), to="dcp:2")
+    _no_output(tmp_path / "out")
+
+
+def test_dcp_metadata_that_imports_arbitrary_code_is_refused(trainer_ckpt, tmp_path):
+    src = _copy(trainer_ckpt, tmp_path / "step_4")
+
+    class Evil:
+        def __reduce__(self):
+            return (os.system, ("touch " + str(tmp_path / "pwned"),))
+
+    with open(os.path.join(src, "dcp", ".metadata"), "wb") as f:
+        pickle.dump(Evil(), f)
+    with pytest.raises(ReshardError, match="refusing it"):
+        reshard(src, str(tmp_path / "out"), to="hf")
+    assert not (tmp_path / "pwned").exists()
+
+
+def test_destination_inside_the_source_is_refused(tiny, tmp_path):
+    src = _copy(tiny[2], tmp_path / "hf")
+    with pytest.raises(ReshardError, match="inside it"):
+        reshard(src, os.path.join(src, "sub"), to="hf")
+
+
+def test_destination_holding_another_publication_is_refused(tiny, trainer_ckpt, tmp_path):
+    out = str(tmp_path / "out")
+    reshard(trainer_ckpt, out, to="hf")
+    with pytest.raises(ReshardError, match="already holds hf step 4 version 4, not tp:2"):
+        reshard(trainer_ckpt, out, to="tp:2")
+    assert verify(out).ok
+
+
+def test_a_failure_while_writing_leaves_no_output(tiny, tmp_path, monkeypatch):
+    from pipeline.reshard import sinks
+
+    calls = {"n": 0}
+    real = sinks.SafetensorsWriter.write
+
+    def failing(self, name, t):
+        calls["n"] += 1
+        if calls["n"] == 10:
+            raise OSError("disk full")
+        return real(self, name, t)
+
+    monkeypatch.setattr(sinks.SafetensorsWriter, "write", failing)
+    with pytest.raises(OSError, match="disk full"):
+        reshard(tiny[2], str(tmp_path / "out"), to="hf", max_shard_bytes=300_000)
+    _no_output(tmp_path / "out")

@@ -1,0 +1,137 @@
+"""Publication: create-only manifest, idempotent re-runs, verification, the policy store, any URL."""
+
+import json
+import os
+import shutil
+
+import pytest
+import torch
+
+from pipeline.reshard import ReshardError, publish, publish_checkpoint, reshard, verify, verify_policy
+from pipeline.weights import load_state_dict
+
+
+def _snapshot(folder):
+    out = {}
+    for dirpath, _, names in os.walk(folder):
+        for n in names:
+            p = os.path.join(dirpath, n)
+            with open(p, "rb") as f:
+                out[os.path.relpath(p, folder)] = (f.read(), os.stat(p).st_mtime_ns)
+    return out
+
+
+def test_rerun_does_no_work_and_a_fresh_run_writes_identical_bytes(trainer_ckpt, tmp_path, monkeypatch):
+    out = str(tmp_path / "tp2")
+    m1, created = publish(trainer_ckpt, out, "tp:2")
+    assert created
+    before = _snapshot(out)
+
+    from pipeline.reshard import engine
+
+    def no_stream(*a, **k):
+        raise AssertionError("a re-run of a published output must not stream tensors again")
+
+    monkeypatch.setattr(engine, "_stream", no_stream)
+    m2, created = publish(trainer_ckpt, out, "tp:2")
+    assert not created and m2 == m1 and _snapshot(out) == before
+    monkeypatch.undo()
+
+    shutil.rmtree(out)
+    reshard(trainer_ckpt, out, to="tp:2")
+    assert {k: v[0] for k, v in _snapshot(out).items()} == {k: v[0] for k, v in before.items()}
+
+
+def test_rerun_over_a_damaged_output_refuses_instead_of_trusting_it(trainer_ckpt, tmp_path):
+    out = str(tmp_path / "hf")
+    reshard(trainer_ckpt, out, to="hf")
+    path = os.path.join(out, "model.safetensors")
+    with open(path, "r+b") as f:
+        f.seek(os.path.getsize(path) - 5)
+        byte = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    report = verify(out)
+    assert not report.ok and "model.safetensors sha256" in report.problems[0]
+    with pytest.raises(ReshardError, match="does not verify"):
+        reshard(trainer_ckpt, out, to="hf")
+
+
+def test_verify_reports_missing_files_and_uncommitted_folders(trainer_ckpt, tmp_path):
+    out = str(tmp_path / "d")
+    reshard(trainer_ckpt, out, to="dcp:2")
+    assert verify(out).ok and verify(out).files == len(json.load(open(os.path.join(out, "manifest.json")))["files"])
+    os.remove(os.path.join(out, "dcp", "__1_0.distcp"))
+    assert verify(out).problems == ["dcp/__1_0.distcp is missing"]
+    assert not verify(str(tmp_path / "nothing")).ok
+
+
+def test_outputs_on_an_fsspec_url_round_trip(tiny, trainer_ckpt, tmp_path):
+    model, _, _ = tiny
+    reshard(trainer_ckpt, "memory://reshard-test/tp2", to="tp:2")
+    reshard("memory://reshard-test/tp2", "memory://reshard-test/hf", to="hf")
+    assert verify("memory://reshard-test/hf").ok
+    reshard("memory://reshard-test/hf", str(tmp_path / "hf"), to="hf")
+    state = load_state_dict(str(tmp_path / "hf"))
+    assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
+
+
+def test_policy_store_publishes_through_reshard_with_its_manifest_keys(tiny, trainer_ckpt, tmp_path):
+    from pipeline.policy import PolicyStore
+    from pipeline.runs import RunDir
+
+    model, _, full = tiny
+    run = RunDir(str(tmp_path / "run-1"))
+    store = PolicyStore(run)
+    assert store.publish_folder(0, full, {"step": 0, "source": "builtin"})
+    assert not store.publish_folder(0, full)  # a retried task
+    m = store.manifest(0)
+    assert (m["version"], m["format"], m["source"]) == (0, "hf", "builtin")
+    assert set(m["files"]["model.safetensors"]) == {"bytes", "sha256"}
+
+    from pipeline.models import load_tokenizer
+
+    assert store.publish_model(1, model, load_tokenizer(full), {"step": 1})
+    assert publish_checkpoint(run.url, trainer_ckpt, 4)
+    assert not publish_checkpoint(run.url, trainer_ckpt, 4)
+    assert store.versions() == [0, 1, 4] and store.latest() == 4
+    assert store.manifest(4)["step"] == 4 and verify_policy(run.url, 4).ok
+    state = load_state_dict(store.local_dir(1))
+    assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
+
+
+def test_cli_converts_and_verifies(trainer_ckpt, tmp_path, capsys):
+    from pipeline.cli import main
+
+    out = str(tmp_path / "tp2")
+    assert main(["reshard", trainer_ckpt, out, "--to", "tp:2", "--policy-version", "6"]) == 0
+    line = json.loads(capsys.readouterr().out)
+    assert (line["format"], line["version"], line["committed_now"]) == ("tp:2", 6, True)
+    assert main(["reshard", "--verify", out]) == 0
+    os.remove(os.path.join(out, "config.json"))
+    assert main(["reshard", "--verify", out]) == 1
+    assert "config.json is missing" in capsys.readouterr().out
+    assert main(["reshard", trainer_ckpt, str(tmp_path / "x"), "--to", "tp:3"]) == 2
+    assert "does not divide" in capsys.readouterr().err
+
+
+def test_bytes_in_flight_never_exceed_the_largest_tensor(tiny):
+    from pipeline.reshard.engine import _stream
+    from pipeline.reshard.layout import TensorSpec
+
+    specs = [TensorSpec(f"t{i}", (n,), torch.float32) for i, n in enumerate([10, 1000, 10, 10, 1000, 500, 500, 10])]
+    held = {"now": 0, "max": 0}
+
+    class Source:
+        def read(self, name):
+            spec = next(s for s in specs if s.name == name)
+            held["now"] += spec.nbytes
+            held["max"] = max(held["max"], held["now"])
+            return torch.zeros(spec.shape)
+
+    class Sink:
+        def write(self, spec, t):
+            held["now"] -= spec.nbytes
+
+    _stream(Source(), Sink(), specs)
+    assert held["now"] == 0 and 1000 * 4 <= held["max"] <= 1000 * 4 + 10 * 4
