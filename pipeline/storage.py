@@ -169,10 +169,9 @@ def list_files(fs: fsspec.AbstractFileSystem, path: str, include_hidden: bool = 
     return sorted(out, key=lambda e: e.rel)
 
 
-def delete(fs: fsspec.AbstractFileSystem, path: str) -> bool:
-    """Remove one file; False if it was already gone (another gc got there first)."""
+def delete(fs: fsspec.AbstractFileSystem, path: str) -> None:
+    """Remove one file; a file already gone (another gc got there first) is not an error."""
     try:
         fs.rm_file(path)
-        return True
     except FileNotFoundError:
-        return False
+        pass

@@ -6,7 +6,6 @@ of its frozen config are used).
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 
@@ -81,9 +80,3 @@ def add_parser(subparsers) -> None:
                    help="minimum age of a log entry to delete (default: config)")
     s.set_defaults(fn=cmd_gc)
 
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="rlhf")
-    add_parser(parser.add_subparsers(dest="cmd", required=True))
-    args = parser.parse_args(argv)
-    return args.fn(args)

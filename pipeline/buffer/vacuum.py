@@ -44,25 +44,28 @@ def vacuum(buf: "ReplayBuffer", grace_s: float | None = None, log_retention_s: f
             if now - since < grace:
                 out["orphans_kept_young"] += 1
                 continue
-            if delete(buf.fs, join(buf.root, rel)):
-                out["orphans_deleted"] += 1
-                out["bytes_freed"] += f.size
+            delete(buf.fs, join(buf.root, rel))
+            out["orphans_deleted"] += 1
+            out["bytes_freed"] += f.size
     ptr = buf.log._read_pointer()
     ckpts = buf.log.checkpoint_versions()
     for f in list_files(buf.fs, join(buf.root, LOG_DIR), include_hidden=True):
         name = f.rel
         old = now - f.mtime >= log_retention
         if name.startswith("."):  # temporary file of an interrupted create-only write
-            if now - f.mtime >= grace and delete(buf.fs, join(buf.log.dir, name)):
+            if now - f.mtime >= grace:
+                delete(buf.fs, join(buf.log.dir, name))
                 out["orphans_deleted"] += 1
             continue
         if not old or name == POINTER or not name[:20].isdigit():
             continue
         v = int(name[:20])
         if name == entry_name(v) and v < ptr:
-            out["log_entries_deleted"] += delete(buf.fs, join(buf.log.dir, name))
+            delete(buf.fs, join(buf.log.dir, name))
+            out["log_entries_deleted"] += 1
         elif name == checkpoint_name(v) and v < ptr and v not in ckpts[-2:]:
-            out["checkpoints_deleted"] += delete(buf.fs, join(buf.log.dir, name))
+            delete(buf.fs, join(buf.log.dir, name))
+            out["checkpoints_deleted"] += 1
     return out
 
 

@@ -1,0 +1,85 @@
+"""Flow control for the sampler, and the `rlhf buffer` commands."""
+
+import json
+import threading
+import time
+
+import pytest
+from rollout_factory import make_groups
+
+from pipeline.buffer import ReplayBuffer
+from pipeline.cli import main as rlhf
+from pipeline.config import BufferConfig
+
+
+def _write(buf, n, groups=2):
+    with buf.writer("w") as w:
+        for i in range(n):
+            w.write(make_groups(f"s{i}", groups, seed=i))
+
+
+def test_fresh_backlog_bound_blocks_until_the_trainer_consumes(buffer_url):
+    buf = ReplayBuffer(buffer_url, BufferConfig(max_fresh_backlog=4))
+    lim = buf.rate_limiter()
+    assert lim.blocked_by(2) is None
+    _write(buf, 2)
+    reason = lim.blocked_by(2)
+    assert reason is not None and "max_fresh_backlog=4" in reason
+    _, cursor = buf.read_fresh(None, 2)
+    buf.mark_consumed(cursor)
+    assert lim.blocked_by(2) is None
+
+
+def test_samples_per_insert_counts_fresh_and_replayed_groups(buffer_url):
+    cfg = BufferConfig(samples_per_insert=2.0, rate_error_groups=2)
+    buf = ReplayBuffer(buffer_url, cfg)
+    lim = buf.rate_limiter()
+    _write(buf, 1)  # 2 groups inserted, 0 sampled: 2*2 - 0 = 4 <= 2*2
+    assert lim.blocked_by(1) is not None  # (3*2 - 0) > 4
+    table, cursor = buf.read_fresh(None, 2)
+    buf.promote(make_groups("r", 2, rewards=[[0, 1, 0, 1]] * 2), cursor=cursor)  # 2 fresh samples
+    assert lim.blocked_by(1) is None  # 3*2 - 2 = 4: at the slack, allowed
+    assert lim.blocked_by(2) is not None  # 4*2 - 2 = 6 > 4
+    batch = buf.sample_replay(2, step=0, rng_seed=0)
+    buf.update_priorities(batch.keys, [1.0, 1.0])  # 2 replays: samples = 4
+    assert lim.blocked_by(2) is None  # 8 - 4 = 4
+
+
+def test_wait_to_insert_returns_once_allowed_and_times_out_with_the_reason(buffer_url):
+    buf = ReplayBuffer(buffer_url, BufferConfig(max_fresh_backlog=2))
+    _write(buf, 1)
+    lim = buf.rate_limiter()
+    with pytest.raises(TimeoutError, match="max_fresh_backlog=2"):
+        lim.wait_to_insert(2, timeout_s=0.2, poll_s=0.05)
+
+    def consume():
+        time.sleep(0.3)
+        _, cursor = ReplayBuffer(buffer_url).read_fresh(None, 2)
+        ReplayBuffer(buffer_url).mark_consumed(cursor)
+
+    if buffer_url.startswith("memory://"):
+        consume()
+    else:
+        threading.Thread(target=consume).start()
+    waited = lim.wait_to_insert(2, timeout_s=10, poll_s=0.05)
+    assert lim.blocked_by(2) is None and waited < 10
+
+
+def test_cli_stats_verify_compact_gc(tmp_path, capsys):
+    url = str(tmp_path / "buffer")
+    buf = ReplayBuffer(url)
+    _write(buf, 3)
+    assert rlhf(["buffer", "stats", url]) == 0
+    stats = json.loads(capsys.readouterr().out)
+    assert stats["tiers"]["l1"]["groups"] == 6 and stats["l1_staleness_rows"] == {"0": 24}
+    assert rlhf(["buffer", "verify", url]) == 0
+    capsys.readouterr()
+    assert rlhf(["buffer", "compact", url, "--all"]) == 0
+    assert json.loads(capsys.readouterr().out)["l1_shards_in"] == 3
+    assert rlhf(["buffer", "gc", url, "--grace-s", "0"]) == 0
+    assert json.loads(capsys.readouterr().out)["orphans_deleted"] == 3
+    # a damaged archive file makes verify fail with its path
+    l3 = buf.refresh().tier_shards("l3")[0].path
+    (tmp_path / "buffer" / l3).write_bytes(b"garbage")
+    assert rlhf(["buffer", "verify", url]) == 1
+    assert l3 in capsys.readouterr().err

@@ -1,0 +1,78 @@
+"""Storage primitives on local disk, memory:// and a real S3 endpoint (moto's server)."""
+
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from pipeline.storage import delete, list_files, list_names, put_atomic, put_if_absent, url_to_fs
+
+sys.path.insert(0, str(Path(__file__).parent / "buffer"))
+from s3_endpoint import moto_s3, new_prefix  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def s3_bucket():
+    with moto_s3("storage-test") as bucket:
+        yield bucket
+
+
+@pytest.fixture(params=["file", "memory", pytest.param("s3", marks=pytest.mark.integration)])
+def base_url(request, tmp_path):
+    if request.param == "file":
+        return str(tmp_path / "store")
+    if request.param == "memory":
+        return f"memory://store/{tmp_path.name}"
+    return new_prefix(request.getfixturevalue("s3_bucket"))
+
+
+def test_put_if_absent_creates_once(base_url):
+    fs, root = url_to_fs(base_url)
+    assert put_if_absent(fs, f"{root}/x/0001.json", b"first")
+    assert not put_if_absent(fs, f"{root}/x/0001.json", b"second")
+    assert fs.cat_file(f"{root}/x/0001.json") == b"first"
+
+
+def test_exactly_one_of_many_concurrent_creators_wins(base_url):
+    fs, root = url_to_fs(base_url)
+    path = f"{root}/race.json"
+    wins = []
+
+    def attempt(i):
+        if put_if_absent(fs, path, f"writer-{i}".encode()):
+            wins.append(i)
+
+    threads = [threading.Thread(target=attempt, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(wins) == 1
+    assert fs.cat_file(path) == f"writer-{wins[0]}".encode()
+
+
+def test_put_atomic_replaces_and_list_skips_temporaries(base_url):
+    fs, root = url_to_fs(base_url)
+    put_atomic(fs, f"{root}/d/a.json", b"1")
+    put_atomic(fs, f"{root}/d/a.json", b"2")
+    put_atomic(fs, f"{root}/d/sub/b.json", b"3")
+    fs.pipe_file(f"{root}/d/.c.tmp-1", b"partial")
+    assert fs.cat_file(f"{root}/d/a.json") == b"2"
+    assert list_names(fs, f"{root}/d") == ["a.json", "sub"]
+    files = list_files(fs, f"{root}/d")
+    assert [f.rel for f in files] == ["a.json", "sub/b.json"]
+    assert all(abs(f.mtime - time.time()) < 600 for f in files)
+    assert [f.rel for f in list_files(fs, f"{root}/d", include_hidden=True)] == [".c.tmp-1", "a.json", "sub/b.json"]
+    delete(fs, f"{root}/d/a.json")
+    delete(fs, f"{root}/d/a.json")  # already gone: not an error
+    assert not fs.exists(f"{root}/d/a.json")
+    assert list_files(fs, f"{root}/missing") == []
+
+
+def test_unknown_protocol_refuses_create_only_writes(tmp_path):
+    from fsspec.implementations.http import HTTPFileSystem
+
+    with pytest.raises(NotImplementedError, match="create-only"):
+        put_if_absent(HTTPFileSystem(), "http://127.0.0.1:9/x", b"1")
