@@ -4,12 +4,22 @@ A backend holds one persistent engine for the life of the sampler process. It ge
 completions per prompt and returns, for each, the sampled token ids and the log-probability of each
 sampled token under the sampling distribution (logits / temperature, before top-p): the behaviour
 log-probs the trainer's off-policy corrections rely on. New policy weights are loaded in place.
+
+The base class owns what both engines share: dynamic batching (a generate call is split into
+engine calls that fit a token budget, halved on out-of-memory, see `batching`), per-prompt seeds,
+and the throughput / batch-size / reload-time figures reported by `stats()`.
 """
 
 from __future__ import annotations
 
+import importlib.util
+import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+
+from .batching import TokenBudget, prompt_cost, run_batched
+
+DEFAULT_MAX_BATCH_TOKENS = 32768
 
 
 @dataclass(frozen=True)
@@ -26,7 +36,7 @@ class Completion:
     token_ids: list[int]
     """Sampled response tokens, including the final EOS token when the model stopped."""
     logprobs: list[float]
-    """log p(token) under logits / temperature, one per token in `token_ids`."""
+    """log p(token) under logits / temperature, one per token in `token_ids` (zeros when greedy)."""
     text: str
     """Decoded response without special tokens."""
     finish_reason: str
@@ -34,35 +44,103 @@ class Completion:
 
 
 class SamplerBackend(ABC):
-    """One persistent engine. Constructed with the initial policy folder (HF layout)."""
+    """One persistent engine. Constructed with the initial policy folder (HF layout).
+
+    Subclasses implement `_generate_batch` (one engine call) and `_load_weights`; callers use
+    `generate`, `load_weights` and `stats`.
+    """
 
     name: str = "base"
 
-    @abstractmethod
-    def generate(self, prompts: list[list[int]], n: int, params: GenParams) -> list[list[Completion]]:
-        """For each prompt (token ids), `n` completions."""
+    def __init__(self, *, seed: int = 0, max_batch_tokens: int | None = None):
+        self.generator_seed = seed
+        self.budget = TokenBudget(max_batch_tokens or DEFAULT_MAX_BATCH_TOKENS)
+        self._calls = 0
+        self._last: dict[str, float] = {}
+
+    # --- what engines implement -------------------------------------------------------------
 
     @abstractmethod
+    def _generate_batch(self, prompts: list[list[int]], n: int, params: GenParams,
+                        seeds: list[int]) -> list[list[Completion]]:
+        """One engine call: `n` completions for each prompt; `seeds[i]` seeds prompt i's samples."""
+
+    @abstractmethod
+    def _load_weights(self, policy_dir: str) -> None:
+        """Replace the engine's weights in place with those of `policy_dir`."""
+
+    # --- what callers use ---------------------------------------------------------------------
+
+    def generate(self, prompts: list[list[int]], n: int, params: GenParams) -> list[list[Completion]]:
+        """For each prompt (token ids), `n` completions (one when `params.greedy`), in prompt order.
+
+        Prompt i of this call is seeded with `base + i`, where base is `params.seed` when given and
+        otherwise advances with every call; the samples of a prompt do not depend on how the call
+        was split into engine calls.
+        """
+        if not prompts:
+            return []
+        self._calls += 1
+        base = params.seed if params.seed is not None else self.generator_seed * 100003 + self._calls * 7919
+        n_eff = 1 if params.greedy else n
+        sizes: list[int] = []
+
+        def engine_call(chunk: list[tuple[int, list[int]]]) -> list[list[Completion]]:
+            out = self._generate_batch([p for _, p in chunk], n, params, [base + i for i, _ in chunk])
+            sizes.append(len(chunk) * n_eff)
+            return out
+
+        t0 = time.perf_counter()
+        results = run_batched(list(enumerate(prompts)), lambda x: prompt_cost(len(x[1]), params.max_new_tokens, n_eff),
+                              self.budget, engine_call)
+        elapsed = time.perf_counter() - t0
+        tokens = sum(len(c.token_ids) for group in results for c in group)
+        self._last.update({
+            "sampler/tokens_per_s": tokens / max(elapsed, 1e-9),
+            "sampler/batch_size": sum(sizes) / len(sizes),
+            "sampler/max_batch_size": float(max(sizes)),
+            "sampler/engine_calls": float(len(sizes)),
+        })
+        return results
+
     def load_weights(self, policy_dir: str) -> float:
         """Replace the engine's weights in place with those of `policy_dir` (a local HF folder
         in sampler layout). Returns the seconds it took."""
+        t0 = time.perf_counter()
+        self._load_weights(policy_dir)
+        seconds = time.perf_counter() - t0
+        self._last["sampler/reload_ms"] = seconds * 1000.0
+        return seconds
+
+    def stats(self) -> dict[str, float]:
+        """Figures of the latest generate call and reload, plus the budget's state, for metrics.
+
+        `sampler/tokens_per_s` (generated tokens over the call's wall time), `sampler/batch_size`
+        (mean sequences per engine call), `sampler/max_batch_size`, `sampler/engine_calls`,
+        `sampler/reload_ms` (once a reload happened), `sampler/token_budget` (current, after any
+        out-of-memory back-off), `sampler/oom_retries` (since start).
+        """
+        return {**self._last, "sampler/token_budget": float(self.budget.current),
+                "sampler/oom_retries": float(self.budget.oom_retries)}
 
     def close(self) -> None:
         """Release the engine."""
 
 
-def make_backend(name: str, model_dir: str, *, dtype: str, threads: int, seed: int, options: dict | None = None) -> SamplerBackend:
+def make_backend(name: str, model_dir: str, *, dtype: str, threads: int, seed: int, options: dict | None = None,
+                 max_batch_tokens: int | None = None) -> SamplerBackend:
     if name == "hf":
         from .hf import HFBackend
 
-        return HFBackend(model_dir, dtype=dtype, threads=threads, seed=seed)
+        return HFBackend(model_dir, dtype=dtype, threads=threads, seed=seed, max_batch_tokens=max_batch_tokens)
     if name == "vllm":
-        try:
-            from .vllm import VLLMBackend
-        except ImportError as e:
+        if importlib.util.find_spec("vllm") is None:
             raise RuntimeError(
-                f"sampler.backend=vllm needs vLLM installed ({e}); `pip install -e .[vllm]` on GPU "
-                "machines or `make test-vllm` for the CPU build, or use sampler.backend=hf"
-            ) from None
-        return VLLMBackend(model_dir, dtype=dtype, threads=threads, seed=seed, options=options or {})
+                "sampler.backend=vllm needs vLLM installed in this environment; `pip install -e .[vllm]` "
+                "on GPU machines or the CPU build in .venv-vllm (`make test-vllm`), or use sampler.backend=hf"
+            )
+        from .vllm import VLLMBackend
+
+        return VLLMBackend(model_dir, dtype=dtype, threads=threads, seed=seed, options=options or {},
+                           max_batch_tokens=max_batch_tokens)
     raise ValueError(f"sampler.backend: unknown backend {name!r}; use hf or vllm")

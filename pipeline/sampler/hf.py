@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import time
-
 import torch
 
 from ..models import load_model, load_tokenizer, set_threads
@@ -14,29 +12,26 @@ from .backend import Completion, GenParams, SamplerBackend
 class HFBackend(SamplerBackend):
     name = "hf"
 
-    def __init__(self, model_dir: str, *, dtype: str = "float32", threads: int = 1, seed: int = 0):
+    def __init__(self, model_dir: str, *, dtype: str = "float32", threads: int = 1, seed: int = 0,
+                 max_batch_tokens: int | None = None):
+        super().__init__(seed=seed, max_batch_tokens=max_batch_tokens)
         set_threads(threads)
         self.tokenizer = load_tokenizer(model_dir)
         self.model = load_model(model_dir, dtype).eval()
         self.eos_id = self.tokenizer.eos_token_id
         self.pad_id = self.tokenizer.pad_token_id
-        self.generator_seed = seed
-        self._calls = 0
 
-    def load_weights(self, policy_dir: str) -> float:
-        t0 = time.perf_counter()
+    def _load_weights(self, policy_dir: str) -> None:
         sd = load_state_dict(policy_dir)
         missing, unexpected = self.model.load_state_dict(sd, strict=False)
         if unexpected or [m for m in missing if "rotary" not in m]:
             raise RuntimeError(f"policy {policy_dir}: missing={missing[:5]} unexpected={unexpected[:5]}")
-        return time.perf_counter() - t0
 
     @torch.no_grad()
-    def generate(self, prompts: list[list[int]], n: int, params: GenParams) -> list[list[Completion]]:
-        if not prompts:
-            return []
-        self._calls += 1
-        torch.manual_seed(params.seed if params.seed is not None else self.generator_seed * 100003 + self._calls)
+    def _generate_batch(self, prompts: list[list[int]], n: int, params: GenParams,
+                        seeds: list[int]) -> list[list[Completion]]:
+        # One generator for the whole engine call: HF draws for all rows at once.
+        torch.manual_seed(seeds[0])
         width = max(len(p) for p in prompts)
         ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
         mask = torch.zeros_like(ids)
