@@ -143,6 +143,29 @@ class AirflowClient:
             time.sleep(poll_s)
 
 
+def group_alive(pgid: int) -> bool:
+    """True while the process group has a member that is not a zombie."""
+    try:
+        os.waitpid(pgid, os.WNOHANG)  # reap the leader if it is our own exited child
+    except ChildProcessError:
+        pass
+    try:
+        os.killpg(pgid, 0)
+    except (ProcessLookupError, PermissionError):
+        return False
+    proc = Path("/proc")
+    if not proc.is_dir():
+        return True
+    for stat in proc.glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            return True
+    return False
+
+
 def _q(part: str) -> str:
     return urllib.parse.quote(part, safe="")
 
@@ -245,14 +268,7 @@ class LocalAirflow:
             return {}
 
     def running(self) -> dict[str, bool]:
-        out = {}
-        for name, pid in self.pids().items():
-            try:
-                os.killpg(pid, 0)
-                out[name] = True
-            except (ProcessLookupError, PermissionError):
-                out[name] = False
-        return out
+        return {name: group_alive(pid) for name, pid in self.pids().items()}
 
     def migrate(self) -> None:
         """Create or upgrade the metadata DB and the device pool (idempotent)."""

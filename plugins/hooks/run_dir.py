@@ -76,22 +76,20 @@ class RunDirHook(BaseHook):
             self.run.request_stop(reason)
 
     # buffer ----------------------------------------------------------------------------------
-    def eligible_replay_groups(self) -> int:
-        """Groups in L2 that may be replayed now (the replay gate's measure)."""
+    def buffer(self):
         from pipeline.buffer import ReplayBuffer
 
-        return int(ReplayBuffer(self.run.buffer_url).eligible_replay_groups())
+        return ReplayBuffer(self.run.buffer_url, self.run.config().buffer)
+
+    def eligible_replay_groups(self) -> int:
+        """Groups in L2 that may be replayed now (the replay gate's measure)."""
+        return int(self.buffer().eligible_replay_groups())
 
     def buffer_stats(self) -> dict | None:
         try:
-            from pipeline.buffer import ReplayBuffer
-        except ImportError:
-            return None
-        try:
-            stats = ReplayBuffer(self.run.buffer_url).stats()
+            return self.buffer().stats()
         except FileNotFoundError:
             return None
-        return stats if isinstance(stats, dict) else getattr(stats, "__dict__", {"value": str(stats)})
 
     # dashboard -------------------------------------------------------------------------------
     def curves(self, stream: str) -> dict[str, list[list[float]]]:

@@ -9,15 +9,12 @@ from airflow.sdk.exceptions import AirflowException
 from plugins.operators.rlhf import RlhfProcessOperator
 
 
-def compact_buffer(run) -> dict | None:
-    """Move what the run no longer replays into L3 (large zstd Parquet), where the buffer can."""
+def compact_buffer(run) -> dict:
+    """The run is over: archive all of L1 into L3 (large zstd Parquet files, partitioned by policy
+    version) and merge small L3 files, so the rollouts stay as a dataset for analysis or SFT/DPO."""
     from pipeline.buffer import ReplayBuffer
 
-    compact = getattr(ReplayBuffer(run.buffer_url), "compact", None)
-    if compact is None:
-        return None
-    result = compact()
-    return result if isinstance(result, dict) else {"result": str(result)}
+    return ReplayBuffer(run.buffer_url, run.config().buffer).compact(everything=True)
 
 
 class FinalizeRunOperator(RlhfProcessOperator):
@@ -40,7 +37,7 @@ class FinalizeRunOperator(RlhfProcessOperator):
 
         run = RunDir(self.run_url)
         compaction = compact_buffer(run)
-        self.log.info("buffer compaction: %s", compaction if compaction is not None else "not available")
+        self.log.info("buffer compaction into L3: %s", compaction)
         version = PolicyStore(run).latest()
         if version is None:
             raise AirflowException(f"{self.run_url} has no published policy to export")

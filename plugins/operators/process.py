@@ -80,6 +80,10 @@ class SupervisedProcessOperator(BaseOperator):
     def on_retry_start(self, context) -> None:
         """Called before the process starts on a try > 1."""
 
+    def handle_line(self, line: str) -> None:
+        """One line of the process's output (stdout and stderr, merged)."""
+        self.log.info("%s", line)
+
     # state store (Airflow >= 3.3; absent in older runtimes and in unit tests) ------------------
     @staticmethod
     def _state_store(context):
@@ -131,7 +135,7 @@ class SupervisedProcessOperator(BaseOperator):
             for line in self._proc.stdout:
                 line = line.rstrip("\n")
                 tail.append(line)
-                self.log.info("%s", line)
+                self.handle_line(line)
             code = self._proc.wait()
         finally:
             # Reached on success, on a non-zero exit, and when execution_timeout or a signal
