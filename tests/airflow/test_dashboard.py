@@ -1,0 +1,98 @@
+"""The dashboard app enforces Airflow authentication itself and reports the run directory's state."""
+
+import pytest
+from fastapi.testclient import TestClient
+
+from plugins.dashboard.app import create_app, get_locator
+from plugins.hooks.run_dir import phase_done_marker, replay_gate_marker
+
+DAG_ID, RUN_ID = "rlhf_train", "manual__2026-01-01T00:00:00+00:00"
+STATUS = f"/api/dags/{DAG_ID}/runs/{RUN_ID}/status"
+PAGE = f"/dags/{DAG_ID}/runs/{RUN_ID}"
+
+
+@pytest.fixture(scope="module")
+def auth_manager():
+    """SimpleAuthManager over a migrated metadata DB (token checks look up revoked tokens)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from airflow.api_fastapi.app import init_auth_manager
+
+    airflow = Path(sys.executable).with_name("airflow")
+    subprocess.run([str(airflow), "db", "migrate"], check=True, capture_output=True, env=dict(os.environ), timeout=300)
+
+    return init_auth_manager()
+
+
+@pytest.fixture
+def token(auth_manager):
+    from airflow.api_fastapi.auth.managers.simple.user import SimpleAuthManagerUser
+
+    return auth_manager.generate_jwt(SimpleAuthManagerUser(username="viewer", role="viewer"))
+
+
+@pytest.fixture
+def run(tmp_path):
+    from pipeline.config import parse_config
+    from pipeline.runs import RunDir
+
+    run = RunDir(f"file://{tmp_path}/runs/r1")
+    run.create(parse_config({"trainer": {"steps": 4, "phases": 2, "replay_epochs": 1, "groups_per_step": 4},
+                             "sampler": {"prompts_per_batch": 4}}))
+    log = run.metrics("trainer")
+    for step in (1, 2, 3):
+        log.log({"step": step, "reward/mean": 0.1 * step, "perf/tokens_per_s": 1000.0})
+    run.set_marker(phase_done_marker(0), {"step": 2, "checkpoint": run.child_url("checkpoints", "step_2")})
+    run.set_marker(replay_gate_marker(0), {"eligible": 6})
+    return run
+
+
+@pytest.fixture
+def client(run, auth_manager):
+    app = create_app()
+    app.dependency_overrides[get_locator] = lambda: (lambda d, r: run.url if (d, r) == (DAG_ID, RUN_ID) else None)
+    return TestClient(app)
+
+
+@pytest.mark.parametrize("path", [STATUS, PAGE])
+def test_every_route_answers_401_without_a_token(client, path):
+    assert client.get(path).status_code == 401
+
+
+def test_a_forged_token_is_refused(client):
+    assert client.get(STATUS, headers={"Authorization": "Bearer not-a-jwt"}).status_code in (401, 403)
+
+
+def test_status_with_a_bearer_token_reports_phases_gates_and_curves(client, token, run):
+    r = client.get(STATUS, headers={"Authorization": f"Bearer {token}"})
+    assert r.status_code == 200
+    s = r.json()
+    assert s["run_url"] == run.url and s["dag_run_id"] == RUN_ID
+    phases = [(p["kind"], p["index"], p["done"]) for p in s["phases"]]
+    assert phases == [("phase", 0, True), ("phase", 1, False), ("replay_gate", 0, True)]
+    assert s["curves"]["trainer"]["reward/mean"] == [[1, 0.1], [2, 0.2], [3, pytest.approx(0.3)]]
+    assert s["config"]["phases"] == 2 and s["trainer_done"] is False
+
+
+def test_the_ui_session_cookie_is_accepted(client, token):
+    client.cookies.set("_token", token)
+    r = client.get(PAGE)
+    assert r.status_code == 200
+    assert "text/html" in r.headers["content-type"]
+    assert f"/api/dags/{DAG_ID}/runs/" in r.text and "<svg" in r.text
+
+
+def test_an_unknown_run_is_404_not_a_guess_at_a_path(client, token):
+    r = client.get(f"/api/dags/{DAG_ID}/runs/other/status", headers={"Authorization": f"Bearer {token}"})
+    assert r.status_code == 404
+
+
+def test_run_ids_are_escaped_in_the_page():
+    from plugins.dashboard.page import render_page
+
+    html = render_page("d", "<script>alert(1)</script>", "/rlhf/api/x</script>")
+    assert "<script>alert(1)" not in html
+    assert "x<\\/script>" in html

@@ -1,0 +1,105 @@
+"""Form -> run config translation, and the embedded launcher's configuration (no processes)."""
+
+import json
+
+import pytest
+
+from pipeline.config import ConfigError
+from plugins.dag_params import build_config, check_conf_keys, config_dict, run_name_from, run_params, runs_root
+
+
+def form(**values):
+    params = {k: p.value for k, p in run_params().items()}
+    params.update(values)
+    return params
+
+
+def test_form_fields_override_the_base_config_file_and_empty_fields_keep_it():
+    cfg = build_config(form(config_file="tiny-test.yaml", steps=4, phases=2, replay_epochs=1, sampler_backend="hf",
+                            overrides={"trainer.lr": 0.005}), {}, "exp-1")
+    assert (cfg.trainer.steps, cfg.trainer.phases, cfg.trainer.replay_epochs) == (4, 2, 1)
+    assert cfg.trainer.lr == 0.005
+    assert cfg.reward.fn == "digit"  # from tiny-test.yaml: the form left it empty
+    assert cfg.run_id == "exp-1"
+
+
+def test_unknown_trigger_keys_are_rejected_by_name():
+    with pytest.raises(ValueError, match="unknown parameter.*learning_rate"):
+        build_config(form(), {"learning_rate": 1}, "exp-1")
+
+
+def test_unknown_config_keys_in_overrides_fail_through_the_engine_loader():
+    with pytest.raises(ConfigError, match="trainer.lrr"):
+        build_config(form(overrides={"trainer.lrr": 1}), {}, "exp-1")
+
+
+def test_strings_that_look_like_numbers_stay_strings():
+    assert config_dict(form(model_path="007"))["model"]["path"] == "007"
+
+
+def test_config_file_must_be_a_name_inside_configs():
+    with pytest.raises(ValueError, match="config_file"):
+        config_dict(form(config_file="../pyproject.yaml"))
+    with pytest.raises(ValueError, match="not found"):
+        config_dict(form(config_file="missing.yaml"))
+
+
+def test_run_names_from_airflow_run_ids_are_path_safe():
+    from pipeline.config import validate_run_id
+
+    name = run_name_from("rlhf_train", "manual__2026-11-29T18:30:00.123456+00:00")
+    assert validate_run_id(name) == name and "/" not in name and ":" not in name
+
+
+@pytest.mark.parametrize("bad", ["http://example.com/runs", "relative/runs", "file://relative", "ftp://x/y"])
+def test_runs_root_rejects_non_storage_urls_and_relative_paths(bad):
+    with pytest.raises(ValueError, match="storage_url"):
+        runs_root(bad)
+
+
+def test_runs_root_accepts_object_stores_and_absolute_paths():
+    assert runs_root("s3://bucket/runs/") == "s3://bucket/runs"
+    assert runs_root("/data/runs") == "/data/runs"
+
+
+def test_check_conf_keys_accepts_form_keys():
+    check_conf_keys({"steps": 3, "phases": 1}, run_params())
+
+
+# launcher -----------------------------------------------------------------------------------------
+def test_local_airflow_binds_loopback_with_a_long_jwt_secret_and_the_repo_folders(tmp_path):
+    from pipeline.airflow_local import REPO, LocalAirflow
+
+    af = LocalAirflow(home=tmp_path / "home", port=18123, runs_root=str(tmp_path / "runs"))
+    env = af.env()
+    assert env["AIRFLOW__API__HOST"] == "127.0.0.1"
+    assert env["AIRFLOW__CORE__EXECUTION_API_SERVER_URL"] == "http://127.0.0.1:18123/execution/"
+    assert len(bytes.fromhex(env["AIRFLOW__API_AUTH__JWT_SECRET"])) >= 64
+    assert env["AIRFLOW__CORE__DAGS_FOLDER"] == str(REPO / "dags")
+    assert env["AIRFLOW__CORE__PLUGINS_FOLDER"] == str(REPO / "plugins")
+    assert env["AIRFLOW__CORE__EXECUTOR"] == "LocalExecutor"
+    assert env["AIRFLOW__DATABASE__SQL_ALCHEMY_CONN"].startswith("sqlite:///")
+    assert int(env["AIRFLOW__DAG_PROCESSOR__REFRESH_INTERVAL"]) <= 10
+    assert env["AIRFLOW__API_AUTH__JWT_SECRET"] == af.env()["AIRFLOW__API_AUTH__JWT_SECRET"]  # stable across calls
+    user, password = af.credentials()
+    assert json.loads((tmp_path / "home" / "passwords.json").read_text()) == {user: password}
+    assert oct((tmp_path / "home" / "passwords.json").stat().st_mode & 0o777) == "0o600"
+
+
+def test_down_without_a_running_deployment_is_a_no_op(tmp_path):
+    from pipeline.airflow_local import LocalAirflow
+
+    assert LocalAirflow(home=tmp_path / "home").down() == []
+
+
+def test_cli_group_has_up_down_status_demo():
+    import argparse
+
+    from pipeline.airflow_local import add_parser
+
+    parser = argparse.ArgumentParser()
+    add_parser(parser.add_subparsers(dest="cmd"))
+    args = parser.parse_args(["airflow", "demo", "--set", "trainer.steps=4", "--port", "18124"])
+    assert args.fn.__name__ == "cmd_demo" and args.set == ["trainer.steps=4"] and args.port == 18124
+    for name in ("up", "down", "status"):
+        assert parser.parse_args(["airflow", name]).fn.__name__ == f"cmd_{name}"
