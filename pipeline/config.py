@@ -81,7 +81,8 @@ class SamplerConfig(_Section):
 
 
 class TrainerConfig(_Section):
-    algorithm: Literal["grpo"] = "grpo"
+    algorithm: Literal["grpo", "dr_grpo", "rloo", "reinforce_pp", "ppo"] = "grpo"
+    """Registered algorithm (pipeline.trainer.algorithms): grpo, dr_grpo, rloo, reinforce_pp, or ppo (critic + GAE/V-trace)."""
     steps: int = Field(50, gt=0)
     """Optimizer steps on fresh data."""
     groups_per_step: int = Field(16, gt=0)
@@ -89,13 +90,54 @@ class TrainerConfig(_Section):
     lr: float = Field(1e-3, gt=0)
     weight_decay: float = Field(0.0, ge=0)
     max_grad_norm: float = Field(1.0, gt=0)
+    warmup_steps: int = Field(0, ge=0)
+    """Linear learning-rate warmup over this many optimizer updates (0: constant rate)."""
     clip_eps: float = Field(0.2, gt=0)
-    """PPO ratio clip range against the behaviour policy."""
+    """PPO ratio clip range (against the proximal policy when `decoupled`, else the behaviour policy)."""
+    update_epochs: int = Field(1, gt=0)
+    """Optimizer updates per batch; the proximal policy is the one before the first of them."""
     kl_coef: float = Field(0.0, ge=0)
-    """Weight of the k3 KL penalty to the frozen initial policy (0 disables the reference model)."""
+    """Weight of the KL penalty to the frozen initial policy (0 disables the reference model)."""
+    kl_estimator: Literal["k1", "k3"] = "k3"
+    """Per-token KL estimator: k1 = logp - ref (unbiased, signed), k3 = exp(ref - logp) - (ref - logp) - 1 (>= 0)."""
+    entropy_coef: float = Field(0.0, ge=0)
+    """Entropy bonus weight (0: off)."""
     std_normalize: bool = True
     """Divide group-centred rewards by the group's standard deviation (GRPO); off gives Dr.GRPO."""
     loss_agg: Literal["token-mean", "seq-mean-token-mean"] = "token-mean"
+    """Loss aggregation: over all response tokens of the batch, or per sequence then over sequences."""
+    decoupled: bool = True
+    """Decoupled PPO: clip against the proximal (current) policy, correct behaviour->proximal by truncated IS."""
+    is_level: Literal["token", "sequence", "none"] = "token"
+    """Truncated importance sampling of behaviour -> proximal policy: per token, per sequence (product), or off."""
+    is_clip: float = Field(2.0, gt=0)
+    """Truncation C of the importance weights: w = min(pi_prox / mu, C)."""
+    vf_coef: float = Field(0.5, ge=0)
+    """Weight of the critic's value loss (ppo)."""
+    critic_lr: float | None = None
+    """Learning rate of the value head (None: trainer.lr)."""
+    gamma: float = Field(1.0, ge=0, le=1)
+    """Discount of the token-level return (ppo)."""
+    gae_lambda: float = Field(0.95, ge=0, le=1)
+    """GAE / V-trace lambda (ppo)."""
+    critic_targets: Literal["gae", "vtrace"] = "vtrace"
+    """Critic targets and advantages for stale data: V-trace (off-policy corrected) or plain GAE."""
+    vtrace_rho_bar: float = Field(1.0, gt=0)
+    """V-trace truncation of the TD-error weights rho."""
+    vtrace_c_bar: float = Field(1.0, gt=0)
+    """V-trace truncation of the trace coefficients c."""
+    micro_batch_tokens: int = Field(8192, gt=0)
+    """Dynamic batching: padded tokens per micro-batch; gradients are accumulated over micro-batches."""
+    phases: int = Field(1, gt=0)
+    """The fresh steps are split into this many equal phases; each ends with a checkpoint and a phase marker."""
+    replay_epochs: int = Field(0, ge=0)
+    """Replay passes over L2, spread evenly over the fresh steps; each waits for its replay gate marker."""
+    checkpoint_every: int = Field(0, ge=0)
+    """Extra checkpoints every N fresh steps (0: only at phase ends)."""
+    keep_checkpoints: int = Field(2, gt=0)
+    """Periodic checkpoints kept (the newest K); phase-end checkpoints are always kept."""
+    nproc_per_node: int = Field(1, gt=0)
+    """Trainer processes the local runner starts (torchrun + FSDP2 when > 1)."""
     sync_every: int = Field(1, gt=0)
     """Publish a new policy version for the sampler every N steps."""
     threads: int = Field(1, gt=0)
@@ -103,7 +145,14 @@ class TrainerConfig(_Section):
     log_every: int = Field(5, gt=0)
     """Steps between progress log lines."""
     wait_timeout_s: float = Field(600.0, gt=0)
-    """Fail if no fresh rollouts arrive for this long."""
+    """Fail if no fresh rollouts arrive (or a replay gate stays closed) for this long."""
+
+    @model_validator(mode="after")
+    def _phases(self) -> "TrainerConfig":
+        if self.steps % self.phases:
+            raise ValueError(f"trainer.phases={self.phases} does not divide trainer.steps={self.steps}; "
+                             "choose phases so that every phase has the same number of steps")
+        return self
 
 
 class BufferConfig(_Section):

@@ -12,8 +12,10 @@ from .runs import RunDir
 log = logging.getLogger("rlhf.progress")
 
 
-def follow(run: RunDir, procs: dict[str, subprocess.Popen], show_bar: bool = True, poll_s: float = 1.0) -> None:
-    """Block until the trainer exits; fail fast if the sampler dies first."""
+def follow(run: RunDir, procs: dict[str, subprocess.Popen], show_bar: bool = True, poll_s: float = 1.0,
+           on_tick=None) -> None:
+    """Block until the trainer exits; fail fast if the sampler dies first. `on_tick()` runs every
+    poll (the local runner's orchestration: reshard finished phases, open replay gates)."""
     steps = run.config().trainer.steps
     tty = show_bar and sys.stderr.isatty()
     bar = None
@@ -24,6 +26,8 @@ def follow(run: RunDir, procs: dict[str, subprocess.Popen], show_bar: bool = Tru
     last = 0
     try:
         while procs["trainer"].poll() is None:
+            if on_tick is not None:
+                on_tick()
             s = procs["sampler"].poll()
             if s is not None and s != 0:
                 raise RuntimeError(f"sampler exited with {s} while the trainer was running")

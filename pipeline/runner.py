@@ -114,16 +114,19 @@ def finalize(run: RunDir, threads: int = 2) -> dict:
     return summary
 
 
-def _child(cmd: str, run: RunDir, threads: int) -> subprocess.Popen:
+def _child(cmd: str, run: RunDir, threads: int, nproc: int = 1) -> subprocess.Popen:
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads),
                TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
-    return subprocess.Popen([sys.executable, "-m", "pipeline", cmd, "--run-dir", run.url], env=env,
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"] \
+        if nproc > 1 else [sys.executable]
+    return subprocess.Popen([*launcher, "-m", "pipeline", cmd, "--run-dir", run.url], env=env,
                             start_new_session=True)
 
 
 def run_local(cfg: RunConfig, run_url: str | None = None, progress: bool = True) -> dict:
     """prepare -> sampler + trainer subprocesses -> finalize. Ctrl-C stops both cleanly."""
     from .progress import follow
+    from .trainer.phases import advance
 
     t_start = time.time()
     run = prepare(cfg, run_url)
@@ -131,9 +134,11 @@ def run_local(cfg: RunConfig, run_url: str | None = None, progress: bool = True)
     procs: dict[str, subprocess.Popen] = {}
     try:
         procs["sampler"] = _child("sampler", run, cfg.sampler.threads)
-        procs["trainer"] = _child("trainer", run, cfg.trainer.threads)
-        follow(run, procs, show_bar=progress)
+        procs["trainer"] = _child("trainer", run, cfg.trainer.threads, cfg.trainer.nproc_per_node)
+        follow(run, procs, show_bar=progress, on_tick=lambda: advance(run))
         rc = procs["trainer"].wait()
+        if rc == 0:
+            advance(run)  # the last phase's checkpoint becomes the final policy version
         run.request_stop("trainer finished" if rc == 0 else f"trainer exited with {rc}")
         src = procs["sampler"].wait(timeout=120)
         if rc != 0 or src != 0:

@@ -1,12 +1,28 @@
-"""The persistent trainer: consume fresh groups from L1, take GRPO steps, publish policy versions.
+"""The persistent trainer: fresh groups from L1, replay epochs over L2, checkpoints, phases.
 
-Policy version k = the weights after k optimizer steps (v0 = the initial model). Every rollout
-carries the version that generated it; staleness = trainer version - rollout version.
+Policy version k = the weights after k fresh optimizer steps (v0 = the initial model); replay
+updates between fresh steps k and k+1 are part of version k+1. Every rollout carries the version
+that generated it; staleness = trainer version - rollout version.
+
+    resume from the newest complete checkpoint (weights, optimizer, scheduler, RNG, L1 cursor)
+    for each fresh step:
+        read groups_per_step groups from the cursor -> train_step -> rank 0: promote to L2 and
+        record the cursor in the buffer
+        replay epochs due now: wait for the gate, draw by priority, train with the importance
+        weights, write new priorities back
+        phase end: checkpoint + phase marker | every checkpoint_every: checkpoint
+        otherwise every sync_every: publish the policy in-process
+
+Run as one process or under torchrun (see distributed.py). Rank 0 alone writes metrics, markers,
+buffer commits and policies.
 """
 
 from __future__ import annotations
 
+import json
 import logging
+import os
+import signal
 import time
 
 import pyarrow as pa
@@ -16,16 +32,32 @@ from ..buffer import ReplayBuffer
 from ..models import load_model, load_tokenizer, set_threads
 from ..policy import PolicyStore
 from ..runs import RunDir
-from .advantages import ADVANTAGES
-from ..config import TrainerConfig
-from .batch import TrainBatch, collate, token_logprobs
-from .losses import LOSSES, aggregate, kl_k3
+from ..storage import put_atomic
+from .algorithms import get_algorithm
+from .batch import collate
+from .checkpoint import TrainerState, latest_checkpoint, load_checkpoint, save_checkpoint
+from .critic import ActorCritic, ValueHead
+from .distributed import World, init_world, shard
+from .phases import phase_done_marker, phase_end_steps, replay_epoch_steps, replay_gate_marker
+from .publish import publish_policy
+from .step import train_step
 
 log = logging.getLogger("rlhf.trainer")
+FAULT_ENV = "RLHF_TRAINER_KILL_AFTER_STEP"  # fault injection for the resume tests: SIGKILL after step N
 
 
 class TrainerStopped(Exception):
-    """The stop marker appeared while waiting for data."""
+    """The stop marker appeared while waiting for data or a replay gate."""
+
+
+class NullMetrics:
+    """Metrics of ranks other than 0: same methods, no output."""
+
+    def log(self, record: dict) -> None:
+        pass
+
+    def flush(self) -> None:
+        pass
 
 
 def wait_for_groups(buffer: ReplayBuffer, run: RunDir, cursor: dict | None, groups: int,
@@ -51,84 +83,191 @@ def wait_for_groups(buffer: ReplayBuffer, run: RunDir, cursor: dict | None, grou
     return pa.concat_tables(parts), cursor, time.time() - t0
 
 
-def train_step(model, ref, opt, batch: TrainBatch, tc: TrainerConfig, temperature: float):
-    """One optimizer step on one batch of whole groups. Returns (token log-probs before the
-    update [B, T], loss, stats)."""
-    adv = ADVANTAGES[tc.algorithm](batch.rewards, batch.group_index, std_normalize=tc.std_normalize)
-    logprobs = token_logprobs(model, batch, temperature)
-    loss, stats = LOSSES[tc.algorithm](logprobs, batch.behavior_logprobs, adv, batch.mask,
-                                       clip_eps=tc.clip_eps, agg=tc.loss_agg)
-    if ref is not None:
-        with torch.no_grad():
-            ref_lp = token_logprobs(ref, batch, temperature)
-        kl = aggregate(kl_k3(logprobs, ref_lp), batch.mask, tc.loss_agg)
-        loss = loss + tc.kl_coef * kl
-        stats["actor/kl"] = kl.item()
-    opt.zero_grad(set_to_none=True)
-    loss.backward()
-    stats["actor/grad_norm"] = float(torch.nn.utils.clip_grad_norm_(model.parameters(), tc.max_grad_norm))
-    opt.step()
-    return logprobs.detach(), loss.detach(), stats
+def wait_for_gate(run: RunDir, epoch: int, poll_s: float, timeout_s: float) -> float:
+    t0 = time.time()
+    while not run.has_marker(replay_gate_marker(epoch)):
+        if run.stop_requested():
+            raise TrainerStopped()
+        if time.time() - t0 > timeout_s:
+            raise TimeoutError(f"replay gate {epoch} stayed closed for {timeout_s:.0f}s; the orchestrator opens it "
+                               f"(markers/{replay_gate_marker(epoch)}.json) once L2 holds enough eligible groups")
+        time.sleep(poll_s)
+    return time.time() - t0
+
+
+def check_config(cfg) -> None:
+    tc = cfg.trainer
+    get_algorithm(tc.algorithm)
+    if tc.replay_epochs and cfg.buffer.num_epochs_per_sample == 0:
+        raise ValueError(f"trainer.replay_epochs={tc.replay_epochs} but buffer.num_epochs_per_sample=0: nothing "
+                         "would ever be eligible; set buffer.num_epochs_per_sample >= 1 or trainer.replay_epochs=0")
+
+
+def rollback_metrics(run: RunDir, step: int) -> None:
+    """Drop metric records of steps after `step` (a resumed trainer redoes them)."""
+    records = run.read_metrics("trainer")
+    keep = [r for r in records if r.get("step", 0) <= step]
+    if len(keep) != len(records):
+        put_atomic(run.fs, run.path("metrics/trainer.jsonl"), "".join(json.dumps(r) + "\n" for r in keep).encode())
+
+
+class Trainer:
+    def __init__(self, run: RunDir, world: World):
+        self.run, self.world = run, world
+        self.cfg = cfg = run.config()
+        self.tc = tc = cfg.trainer
+        check_config(cfg)
+        set_threads(tc.threads)
+        torch.manual_seed(cfg.seed)
+        self.algo = get_algorithm(tc.algorithm)
+        self.store = PolicyStore(run)
+        base = self.store.local_dir(0)
+        self.tokenizer = load_tokenizer(base)
+        policy = load_model(base, cfg.model.dtype).to(world.device).train()
+        critic = ValueHead(policy.config.hidden_size).to(world.device) if self.algo.critic else None
+        self.actor = ActorCritic(shard(policy, world), shard(critic, world, policy=False) if critic else None)
+        self.ref = None
+        if tc.kl_coef > 0:
+            self.ref = shard(load_model(base, cfg.model.dtype).to(world.device).eval().requires_grad_(False), world)
+        groups = [{"params": list(policy.parameters()), "lr": tc.lr}]
+        if critic is not None:
+            groups.append({"params": list(critic.parameters()), "lr": tc.critic_lr or tc.lr})
+        self.opt = torch.optim.AdamW(groups, lr=tc.lr, weight_decay=tc.weight_decay)
+        warm = tc.warmup_steps
+        self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lambda n: min(1.0, (n + 1) / warm) if warm else 1.0)
+        self.buffer = ReplayBuffer(run.buffer_url, cfg.buffer)
+        self.state = TrainerState()
+        ck = latest_checkpoint(run)
+        if ck is not None:
+            self.state = load_checkpoint(ck, self.actor, self.opt, self.sched)
+            log.info("trainer: resumed from %s (step %d)", ck.url, self.state.step)
+            if world.is_main:
+                rollback_metrics(run, self.state.step)
+        self.metrics = run.metrics("trainer") if world.is_main else NullMetrics()
+        self.replayed_samples = 0
+        self.fresh_samples = 0
+
+    # one fresh step ---------------------------------------------------------------------------
+    def fresh_step(self) -> dict:
+        tc, st, world = self.tc, self.state, self.world
+        table, cursor, waited = wait_for_groups(self.buffer, self.run, st.cursor_dict(), tc.groups_per_step,
+                                                self.cfg.sampler.poll_s, tc.wait_timeout_s)
+        t0 = time.time()
+        batch = collate(table, self.tokenizer.pad_token_id)
+        version = st.step
+        res = train_step(self.actor, self.ref, self.opt, batch, tc, self.cfg.sampler.temperature, world=world,
+                         scheduler=self.sched, version=version)
+        st.step += 1
+        st.updates += tc.update_epochs
+        st.cursor = (int(cursor["seq"]), int(cursor["group"]))
+        if world.is_main:
+            if tc.replay_epochs:
+                self.buffer.promote(table, cursor=cursor)  # quality filter -> L2, and the cursor, in one commit
+            else:
+                self.buffer.mark_consumed(cursor)
+        self.fresh_samples += table.num_rows
+        staleness = version - batch.policy_version
+        hist: dict[str, int] = {}
+        for s in staleness.tolist():
+            hist[str(s)] = hist.get(str(s), 0) + 1
+        t1 = time.time()
+        return self._record(batch, res, t0, t1, waited, table.num_rows, {
+            "staleness/mean": staleness.float().mean().item(), "staleness/max": int(staleness.max()),
+            "staleness/hist": hist, "replay/is_replay": 0,
+        })
+
+    def _record(self, batch, res, t0, t1, waited, samples, extra: dict) -> dict:
+        total = self.fresh_samples + self.replayed_samples
+        rec = {
+            "step": self.state.step, "updates": self.state.updates,
+            "reward/mean": batch.rewards.mean().item(), "reward/std": batch.rewards.std().item() if len(batch.rewards) > 1 else 0.0,
+            "actor/loss": res.loss, "trainer/samples": samples, "trainer/tokens": batch.num_tokens,
+            "trainer/response_tokens": batch.response_tokens, "perf/tokens_per_s": batch.num_tokens / max(t1 - t0, 1e-9),
+            "timing_s/step": t1 - t0, "timing_s/wait": waited, "timing/start": t0, "timing/end": t1,
+            "replay/fraction": self.replayed_samples / total if total else 0.0,
+            "actor/lr": self.opt.param_groups[0]["lr"], **res.stats, **extra,
+        }
+        self.metrics.log(rec)
+        return rec
+
+    # replay -----------------------------------------------------------------------------------
+    def replay_epoch(self, epoch: int) -> int:
+        """One pass over L2: eligible // groups_per_step draws by priority. Returns updates taken."""
+        tc, st, world = self.tc, self.state, self.world
+        waited = wait_for_gate(self.run, epoch, self.cfg.sampler.poll_s, tc.wait_timeout_s)
+        world.barrier()  # rank 0's last promote is committed: every rank sees the same L2
+        n = self.buffer.eligible_replay_groups() // tc.groups_per_step
+        done = 0
+        for i in range(n):
+            t0 = time.time()
+            rb = self.buffer.sample_replay(tc.groups_per_step, step=st.updates,
+                                           rng_seed=self.cfg.seed * 1_000_003 + epoch * 10_007 + i)
+            if len(rb) == 0:
+                break
+            batch = collate(rb.table, self.tokenizer.pad_token_id, rb.weights)
+            res = train_step(self.actor, self.ref, self.opt, batch, self.tc, self.cfg.sampler.temperature,
+                             world=world, scheduler=self.sched, version=None)
+            st.updates += tc.update_epochs
+            if world.is_main:
+                index = {g: k for k, g in enumerate(batch.group_ids)}
+                self.buffer.update_priorities(rb.keys, [float(res.priorities[index[k]]) for k in rb.keys])
+            world.barrier()  # priorities and replay counts are committed before the next draw
+            self.replayed_samples += rb.table.num_rows
+            staleness = st.step - batch.policy_version
+            self._record(batch, res, t0, time.time(), waited if i == 0 else 0.0, rb.table.num_rows, {
+                "staleness/mean": staleness.float().mean().item(), "staleness/max": int(staleness.max()),
+                "replay/is_replay": 1, "replay/epoch": epoch, "replay/weight_mean": float(rb.weights.mean()),
+                "replay/beta": rb.beta,
+            })
+            done += 1
+        log.info("replay epoch %d: %d updates of %d groups", epoch, done, tc.groups_per_step)
+        return done
+
+    # the loop ---------------------------------------------------------------------------------
+    def run_loop(self) -> dict:
+        tc, st, world, run = self.tc, self.state, self.world, self.run
+        phase_ends = phase_end_steps(tc)
+        replay_at = replay_epoch_steps(tc)
+        kill_at = int(os.environ.get(FAULT_ENV, "0") or 0)
+        self.metrics.log({"event": "start", "resumed_step": st.step, "world_size": world.size})
+        log.info("trainer: %d steps of %d groups, algorithm %s, %d phase(s), %d replay epoch(s), world size %d",
+                 tc.steps, tc.groups_per_step, tc.algorithm, tc.phases, tc.replay_epochs, world.size)
+        try:
+            while st.step < tc.steps:
+                rec = self.fresh_step()
+                if kill_at and st.step == kill_at:
+                    world.barrier()
+                    os.kill(os.getpid(), signal.SIGKILL)
+                for e in range(st.replay_epochs_done, tc.replay_epochs):
+                    if replay_at[e] > st.step:
+                        break
+                    self.replay_epoch(e)
+                    st.replay_epochs_done = e + 1
+                if st.step in phase_ends:
+                    ck = save_checkpoint(run, self.actor, self.opt, self.sched, st, self.tokenizer, world,
+                                         kind="phase", keep=tc.keep_checkpoints)
+                    if world.is_main:
+                        run.set_marker(phase_done_marker(phase_ends[st.step]), {"step": st.step, "checkpoint": ck.url})
+                elif tc.checkpoint_every and st.step % tc.checkpoint_every == 0:
+                    save_checkpoint(run, self.actor, self.opt, self.sched, st, self.tokenizer, world,
+                                    kind="periodic", keep=tc.keep_checkpoints)
+                if st.step not in phase_ends and st.step % tc.sync_every == 0:
+                    publish_policy(run, st.step, self.actor, self.tokenizer, world)
+                if world.is_main and (st.step % tc.log_every == 0 or st.step == tc.steps):
+                    log.info("step %d/%d reward %.3f loss %.4f staleness %.2f tok/s %.0f", st.step, tc.steps,
+                             rec["reward/mean"], rec["actor/loss"], rec["staleness/mean"], rec["perf/tokens_per_s"])
+        except TrainerStopped:
+            log.info("trainer: stop requested at step %d", st.step)
+        finally:
+            self.metrics.flush()
+        if st.step >= tc.steps and world.is_main:
+            run.set_marker("trainer_done", {"step": st.step})
+        return {"step": st.step, "updates": st.updates}
 
 
 def run_trainer(run_url: str) -> dict:
-    run = RunDir(run_url)
-    cfg = run.config()
-    tc = cfg.trainer
-    metrics = run.metrics("trainer")
-    metrics.log({"event": "start"})
-    set_threads(tc.threads)
-    torch.manual_seed(cfg.seed)
-    store = PolicyStore(run)
-    base_dir = store.local_dir(0)
-    tokenizer = load_tokenizer(base_dir)
-    model = load_model(base_dir, cfg.model.dtype).train()
-    ref = load_model(base_dir, cfg.model.dtype).eval().requires_grad_(False) if tc.kl_coef > 0 else None
-    opt = torch.optim.AdamW(model.parameters(), lr=tc.lr, weight_decay=tc.weight_decay)
-    buffer = ReplayBuffer(run.buffer_url, cfg.buffer)
-    temperature = cfg.sampler.temperature
-    cursor = None
-    step = 0
-    log.info("trainer: %d steps of %d groups, algorithm %s", tc.steps, tc.groups_per_step, tc.algorithm)
+    world = init_world()
     try:
-        while step < tc.steps:
-            table, cursor, waited = wait_for_groups(buffer, run, cursor, tc.groups_per_step,
-                                                    cfg.sampler.poll_s, tc.wait_timeout_s)
-            t0 = time.time()
-            batch = collate(table, tokenizer.pad_token_id)
-            logprobs, loss, stats = train_step(model, ref, opt, batch, tc, temperature)
-            step += 1
-
-            with torch.no_grad():
-                m = batch.mask.bool()
-                same = (batch.policy_version == step - 1).unsqueeze(-1).expand_as(m) & m
-                gap = (logprobs - batch.behavior_logprobs).abs()[same].mean().item() if same.any() else None
-                staleness = (step - 1) - batch.policy_version
-            published = False
-            if step % tc.sync_every == 0 or step == tc.steps:
-                published = store.publish_model(step, model, tokenizer, {"step": step})
-            t1 = time.time()
-            record = {
-                "step": step, "reward/mean": batch.rewards.mean().item(),
-                "reward/std": batch.rewards.std().item(), "actor/loss": loss.item(),
-                "actor/entropy_proxy": -logprobs[m].mean().item(),
-                "staleness/mean": staleness.float().mean().item(), "staleness/max": int(staleness.max()),
-                "trainer/samples": table.num_rows, "trainer/tokens": batch.num_tokens,
-                "trainer/response_tokens": batch.response_tokens, "perf/tokens_per_s": batch.num_tokens / (t1 - t0),
-                "timing_s/step": t1 - t0, "timing_s/wait": waited, "timing/start": t0, "timing/end": t1,
-                "trainer/policy_version": step if published else None, **stats,
-            }
-            if gap is not None:
-                record["actor/logprob_gap"] = gap
-            metrics.log(record)
-            if step % tc.log_every == 0 or step == tc.steps:
-                log.info("step %d/%d reward %.3f loss %.4f staleness %.2f tok/s %.0f", step, tc.steps,
-                         record["reward/mean"], record["actor/loss"], record["staleness/mean"],
-                         record["perf/tokens_per_s"])
-    except TrainerStopped:
-        log.info("trainer: stop requested at step %d", step)
+        return Trainer(RunDir(run_url), world).run_loop()
     finally:
-        metrics.flush()
-    if step >= tc.steps:
-        run.set_marker("trainer_done", {"step": step})
-    return {"step": step}
+        world.close()

@@ -6,7 +6,8 @@ from pipeline.buffer.schema import content_hash, to_table
 from pipeline.config import TrainerConfig
 from pipeline.models import load_model, load_tokenizer
 from pipeline.trainer.batch import collate, token_logprobs
-from pipeline.trainer.loop import train_step
+from pipeline.trainer.critic import ActorCritic
+from pipeline.trainer.step import train_step
 
 
 def _table(tok, rewards, versions=None):
@@ -32,7 +33,8 @@ def test_parameters_change_after_one_step(digit_example):
     before = {k: v.clone() for k, v in model.state_dict().items()}
     batch = collate(_table(tok, [1.0, 0.0, 0.5, 0.0, 1.0, 1.0, 0.0, 0.2]), tok.pad_token_id)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    _, loss, stats = train_step(model, None, opt, batch, TrainerConfig(), temperature=1.0)
+    res = train_step(ActorCritic(model), None, opt, batch, TrainerConfig(), temperature=1.0)
+    loss, stats = torch.tensor(res.loss), res.stats
     changed = [k for k, v in model.state_dict().items() if not torch.equal(v, before[k])]
     # every trainable matrix moved (rotary buffers are not parameters)
     params = {k for k, _ in model.named_parameters()}
@@ -46,7 +48,8 @@ def test_no_update_when_groups_have_no_reward_variance(digit_example):
     before = {k: v.clone() for k, v in model.named_parameters()}
     batch = collate(_table(tok, [0.5] * 8), tok.pad_token_id)
     opt = torch.optim.SGD(model.parameters(), lr=1.0)
-    _, loss, stats = train_step(model, None, opt, batch, TrainerConfig(), temperature=1.0)
+    res = train_step(ActorCritic(model), None, opt, batch, TrainerConfig(), temperature=1.0)
+    loss, stats = torch.tensor(res.loss), res.stats
     assert loss.item() == 0.0 and stats["actor/grad_norm"] == 0.0
     assert all(torch.equal(v, before[k]) for k, v in model.named_parameters())
 

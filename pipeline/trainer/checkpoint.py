@@ -1,0 +1,236 @@
+"""Trainer checkpoints with torch.distributed.checkpoint (DCP), in the layout the reshard code reads.
+
+    checkpoints/step_<N>/dcp/        DCP: model.<hf name> (policy), critic.<name>, optim.state.*,
+                                     sched.last_epoch, trainer.{step,cursor,replay_epochs_done,updates},
+                                     rng.torch
+    checkpoints/step_<N>/hf/         config.json, generation_config.json, tokenizer files (no weights)
+    checkpoints/step_<N>/meta.json   {"step", "world_size", "policy_version", "format": "dcp", "kind"}
+
+`meta.json` is written last, atomically: a checkpoint exists only once it is there, so a trainer
+killed while saving leaves a folder that every reader ignores (and the next save of that step
+replaces). DCP stores each rank's shards and loads them at any other world size.
+
+Only tensors go into DCP (DCP reads non-tensor entries back with a full unpickler): optimizer
+hyper-parameters come from the config, every counter is an int64 tensor. Checkpoints of kind
+`periodic` are pruned to the newest `trainer.keep_checkpoints`; `phase` checkpoints (which the
+reshard tasks read) are kept.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import tempfile
+import warnings
+from dataclasses import dataclass
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from ..runs import RunDir
+from ..storage import is_local, list_names, put_atomic, read_bytes
+from .critic import ActorCritic
+from .distributed import World
+
+# one process without a process group is a supported mode of DCP, not a mistake
+warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+STEP_RE = re.compile(r"^step_(\d+)$")
+META = "meta.json"
+
+
+@dataclass
+class TrainerState:
+    """Counters that travel with the weights."""
+
+    step: int = 0                      # fresh optimizer steps = the policy version of the weights
+    cursor: tuple[int, int] = (0, 0)   # L1 read position (seq, group) after `step`
+    replay_epochs_done: int = 0
+    updates: int = 0                   # optimizer updates, fresh and replay (the LR schedule's clock)
+
+    def cursor_dict(self) -> dict:
+        return {"seq": self.cursor[0], "group": self.cursor[1]}
+
+
+@dataclass
+class Checkpoint:
+    step: int
+    url: str
+    path: str
+    meta: dict
+
+
+def checkpoint_dir(run: RunDir, step: int) -> str:
+    return run.path("checkpoints", f"step_{step}")
+
+
+def list_checkpoints(run: RunDir) -> list[Checkpoint]:
+    """Complete checkpoints (with meta.json), oldest first."""
+    out = []
+    for name in list_names(run.fs, run.path("checkpoints")):
+        m = STEP_RE.match(name)
+        if not m:
+            continue
+        path = run.path("checkpoints", name)
+        try:
+            meta = json.loads(read_bytes(run.fs, f"{path}/{META}"))
+        except FileNotFoundError:
+            continue
+        out.append(Checkpoint(int(m.group(1)), run.child_url("checkpoints", name), path, meta))
+    return sorted(out, key=lambda c: c.step)
+
+
+def latest_checkpoint(run: RunDir) -> Checkpoint | None:
+    cks = list_checkpoints(run)
+    return cks[-1] if cks else None
+
+
+def _split(msd: dict) -> tuple[dict, dict]:
+    policy = {k[len("policy."):]: v for k, v in msd.items() if k.startswith("policy.")}
+    critic = {k[len("critic."):]: v for k, v in msd.items() if k.startswith("critic.")}
+    return policy, critic
+
+
+def _state(actor: ActorCritic, opt, sched, st: TrainerState) -> tuple[dict, dict]:
+    """The DCP state dict (tensors only) and the optimizer's param_groups (kept out of DCP)."""
+    msd, osd = get_state_dict(actor, opt)
+    policy, critic = _split(msd)
+    state = {
+        "model": policy,
+        "optim": {"state": osd["state"]},
+        "sched": {"last_epoch": torch.tensor(sched.last_epoch if sched is not None else 0, dtype=torch.long)},
+        "trainer": {"step": torch.tensor(st.step, dtype=torch.long),
+                    "cursor": torch.tensor(list(st.cursor), dtype=torch.long),
+                    "replay_epochs_done": torch.tensor(st.replay_epochs_done, dtype=torch.long),
+                    "updates": torch.tensor(st.updates, dtype=torch.long)},
+        "rng": {"torch": torch.get_rng_state()},
+    }
+    if critic:
+        state["critic"] = critic
+    return state, osd["param_groups"]
+
+
+def _writer(fs, path: str):
+    if is_local(fs):
+        return dcp.FileSystemWriter(path)
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+
+    return FsspecWriter(fs.unstrip_protocol(path))
+
+
+def _reader(fs, path: str):
+    if is_local(fs):
+        return dcp.FileSystemReader(path)
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+
+    return FsspecReader(fs.unstrip_protocol(path))
+
+
+def _write_hf_meta(run: RunDir, folder: str, model, tokenizer) -> None:
+    with tempfile.TemporaryDirectory(prefix="ckpt-hf-") as tmp:
+        model.config.save_pretrained(tmp)
+        if getattr(model, "generation_config", None) is not None:
+            model.generation_config.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        for name in sorted(os.listdir(tmp)):
+            put_atomic(run.fs, f"{folder}/{name}", open(os.path.join(tmp, name), "rb").read())
+
+
+def save_checkpoint(run: RunDir, actor: ActorCritic, opt, sched, st: TrainerState, tokenizer, world: World,
+                    kind: str = "periodic", keep: int = 2) -> Checkpoint:
+    """Save `st.step`'s checkpoint (collective: every rank calls it). Idempotent for a complete one."""
+    path = checkpoint_dir(run, st.step)
+    url = run.child_url("checkpoints", f"step_{st.step}")
+    done = run.fs.exists(f"{path}/{META}")
+    if not done:
+        if world.is_main and run.fs.exists(path):
+            run.fs.rm(path, recursive=True)  # the remains of a save that was killed
+        world.barrier()
+        state, _ = _state(actor, opt, sched, st)
+        dcp.save(state, storage_writer=_writer(run.fs, f"{path}/dcp"))
+        if world.is_main:
+            _write_hf_meta(run, f"{path}/hf", actor.policy, tokenizer)
+            meta = {"step": st.step, "world_size": world.size, "policy_version": st.step, "format": "dcp", "kind": kind}
+            put_atomic(run.fs, f"{path}/{META}", json.dumps(meta, indent=1).encode())  # the commit point
+        world.barrier()
+    if world.is_main:
+        prune(run, keep)
+    meta = json.loads(read_bytes(run.fs, f"{path}/{META}"))
+    return Checkpoint(st.step, url, path, meta)
+
+
+def prune(run: RunDir, keep: int) -> list[int]:
+    """Delete all but the newest `keep` periodic checkpoints, and incomplete folders older than the
+    newest complete checkpoint. Returns the deleted steps."""
+    cks = list_checkpoints(run)
+    periodic = [c for c in cks if c.meta.get("kind", "periodic") == "periodic"]
+    newest = cks[-1].step if cks else -1
+    doomed = [c.step for c in periodic[:-keep]] if keep else [c.step for c in periodic]
+    complete = {c.step for c in cks}
+    for name in list_names(run.fs, run.path("checkpoints")):
+        m = STEP_RE.match(name)
+        if m and int(m.group(1)) not in complete and int(m.group(1)) < newest:
+            doomed.append(int(m.group(1)))
+    for s in doomed:
+        if s == newest:
+            continue
+        meta = checkpoint_dir(run, s) + f"/{META}"
+        if run.fs.exists(meta):
+            run.fs.rm(meta)  # uncommit first: a reader never sees half a checkpoint
+        run.fs.rm(checkpoint_dir(run, s), recursive=True)
+    return sorted(doomed)
+
+
+def load_checkpoint(ck: Checkpoint, actor: ActorCritic, opt, sched) -> TrainerState:
+    """Restore weights, optimizer, scheduler, RNG and counters in place (collective)."""
+    st = TrainerState()
+    state, groups = _state(actor, opt, sched, st)
+    if "critic" in state and not _has_critic(ck):
+        raise ValueError(f"{ck.url}: checkpoint has no critic but trainer.algorithm needs one; "
+                         "resume with the algorithm it was saved with or start a new run")
+    dcp.load(state, storage_reader=_reader(_fs_of(ck), f"{ck.path}/dcp"))
+    msd = {f"policy.{k}": v for k, v in state["model"].items()}
+    msd.update({f"critic.{k}": v for k, v in state.get("critic", {}).items()})
+    set_state_dict(actor, opt, model_state_dict=msd,
+                   optim_state_dict={"state": state["optim"]["state"], "param_groups": groups})
+    if sched is not None:
+        n = int(state["sched"]["last_epoch"])
+        sched.last_epoch = n
+        sched._step_count = n + 1
+        for g, lr in zip(opt.param_groups, sched.get_lr()):
+            g["lr"] = lr
+        sched._last_lr = [g["lr"] for g in opt.param_groups]
+    torch.set_rng_state(state["rng"]["torch"])
+    t = state["trainer"]
+    return TrainerState(step=int(t["step"]), cursor=(int(t["cursor"][0]), int(t["cursor"][1])),
+                        replay_epochs_done=int(t["replay_epochs_done"]), updates=int(t["updates"]))
+
+
+def _fs_of(ck: Checkpoint):
+    from ..storage import url_to_fs
+
+    return url_to_fs(ck.url)[0]
+
+
+def _has_critic(ck: Checkpoint) -> bool:
+    md = _reader(_fs_of(ck), f"{ck.path}/dcp").read_metadata()
+    return any(k.startswith("critic.") for k in md.state_dict_metadata)
+
+
+def load_model_weights(checkpoint_url: str) -> dict[str, torch.Tensor]:
+    """The policy's full weights {hf name: tensor} from a checkpoint (one process, any saved world size)."""
+    from ..storage import url_to_fs
+
+    fs, path = url_to_fs(checkpoint_url)
+    reader = _reader(fs, f"{path}/dcp")
+    md = reader.read_metadata()
+    template = {}
+    for key, item in md.state_dict_metadata.items():
+        if key.startswith("model.") and hasattr(item, "size"):
+            template[key[len("model."):]] = torch.empty(tuple(item.size), dtype=item.properties.dtype)
+    if not template:
+        raise ValueError(f"{checkpoint_url}: no 'model.*' entries; not a trainer checkpoint")
+    state = {"model": template}
+    dcp.load(state, storage_reader=_reader(fs, f"{path}/dcp"))
+    return state["model"]

@@ -1,0 +1,84 @@
+"""Policy versions from the trainer: in-phase publication and the phase-boundary reshard.
+
+In-phase (`publish_policy`, every `trainer.sync_every` steps): the sharded weights are gathered to
+rank 0 and committed as `policy/v<step>/` through `PolicyStore` (safetensors + config +
+tokenizer, manifest last).
+
+Phase boundary (`publish_phase_checkpoint`): the checkpoint closing a phase becomes `policy/v<step>`
+through `pipeline.reshard.publish_checkpoint` (the DAG's reshard task calls the same function).
+Where the reshard package does not provide it, the checkpoint is converted here, reading the
+DCP model entries at any saved world size.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+import torch
+
+from ..policy import PolicyStore
+from ..runs import RunDir
+from ..storage import list_names, url_to_fs
+from .distributed import World
+
+
+def _save_folder(folder: str, weights: dict[str, torch.Tensor], config, generation_config, tokenizer) -> None:
+    from safetensors.torch import save_file
+
+    save_file({k: v.detach().contiguous().cpu() for k, v in weights.items()},
+              os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
+    config.save_pretrained(folder)
+    if generation_config is not None:
+        generation_config.save_pretrained(folder)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(folder)
+
+
+def publish_policy(run: RunDir, version: int, actor, tokenizer, world: World, meta: dict | None = None) -> bool:
+    """Gather the policy's full weights to rank 0 and publish them (collective)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    store = PolicyStore(run)
+    if store.exists(version):  # e.g. a resumed trainer redoing a step: same data, same weights
+        world.barrier()
+        return False
+    sd = get_model_state_dict(actor.policy, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    published = False
+    if world.is_main:
+        with tempfile.TemporaryDirectory(prefix="policy-") as tmp:
+            _save_folder(tmp, sd, actor.policy.config, getattr(actor.policy, "generation_config", None), tokenizer)
+            published = store.publish_folder(version, tmp, {"step": version, "source": "trainer", **(meta or {})})
+    world.barrier()
+    return published
+
+
+def _convert_checkpoint(run_url: str, checkpoint_url: str, version: int) -> bool:
+    from transformers import AutoConfig
+
+    from .checkpoint import load_model_weights
+
+    run = RunDir(run_url)
+    store = PolicyStore(run)
+    if store.exists(version):
+        return False
+    fs, path = url_to_fs(checkpoint_url)
+    with tempfile.TemporaryDirectory(prefix="reshard-") as tmp:
+        for name in list_names(fs, f"{path}/hf"):
+            fs.get_file(f"{path}/hf/{name}", os.path.join(tmp, name))
+        AutoConfig.from_pretrained(tmp, local_files_only=True)  # fails fast on a broken config
+        from safetensors.torch import save_file
+
+        weights = load_model_weights(checkpoint_url)
+        save_file({k: v.contiguous() for k, v in weights.items()}, os.path.join(tmp, "model.safetensors"),
+                  metadata={"format": "pt"})
+        return store.publish_folder(version, tmp, {"step": version, "source": checkpoint_url})
+
+
+def publish_phase_checkpoint(run_url: str, checkpoint_url: str, version: int) -> bool:
+    """Reshard a trainer checkpoint into `policy/v<version>/` (idempotent)."""
+    try:
+        from ..reshard import publish_checkpoint
+    except ImportError:
+        publish_checkpoint = _convert_checkpoint
+    return bool(publish_checkpoint(run_url, checkpoint_url, version))
