@@ -148,7 +148,7 @@ def train_step(actor: ActorCritic, ref, opt, batch: TrainBatch, tc: TrainerConfi
                 sums["samples"] += float(mb.mask.shape[0])
                 if algo.critic:
                     sums["vf_sum"] += float(vf.detach())
-                    sums["value_sum"] += float(v[m].sum())
+                    sums["value_sum"] += float(v.detach()[m].sum())
                     sums["target_sum"] += float(targets[i][m].sum())
                 if version is not None:
                     same = m & (mb.policy_version == version).unsqueeze(-1)

@@ -1,8 +1,6 @@
-import datetime as dt
-
 import torch
+from trainer_rollouts import rollout_table
 
-from pipeline.buffer.schema import content_hash, to_table
 from pipeline.config import TrainerConfig
 from pipeline.models import load_model, load_tokenizer
 from pipeline.trainer.batch import collate, token_logprobs
@@ -11,19 +9,7 @@ from pipeline.trainer.step import train_step
 
 
 def _table(tok, rewards, versions=None):
-    rows = []
-    prompt = tok("say 7: ", add_special_tokens=False)["input_ids"]
-    for i, r in enumerate(rewards):
-        resp = tok("7" * (i % 3 + 1), add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
-        rows.append({
-            "sample_id": f"s{i}", "prompt_id": "p0", "group_id": f"g{i // 4}", "data_source": "builtin/digit",
-            "prompt_token_ids": prompt, "response_token_ids": resp, "response_text": "7",
-            "behavior_logprobs": [-1.0] * len(resp), "reward": r, "token_rewards": None, "reward_extra": None,
-            "finish_reason": "stop", "policy_version": (versions or [0] * len(rewards))[i], "sampler_id": "s",
-            "created_at": dt.datetime.now(dt.timezone.utc), "content_hash": content_hash(prompt, resp),
-            "tier": "l1", "replay_count": 0, "priority": 1.0,
-        })
-    return to_table(rows)
+    return rollout_table(tok, rewards, versions)
 
 
 def test_parameters_change_after_one_step(digit_example):
