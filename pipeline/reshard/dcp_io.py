@@ -138,9 +138,9 @@ class DCPReader:
         self._by_name = {s.name: s for s in self.specs}
         self._open: dict[str, object] = {}
 
-    def read(self, name: str) -> torch.Tensor:
+    def read(self, name: str, out: torch.Tensor | None = None) -> torch.Tensor:
         spec, chunks = self._by_name[name], self._chunks[name]
-        out = torch.empty(spec.shape, dtype=spec.dtype)
+        out = torch.empty(spec.shape, dtype=spec.dtype) if out is None else out
         for c in chunks:
             dest = out[tuple(slice(o, o + s) for o, s in zip(c.offsets, c.sizes))]
             self._read_chunk(c, dest, f"{self.folder}/{c.info.relative_path} ({MODEL_PREFIX}{name})")

@@ -3,8 +3,9 @@
 Order of work, so that bad input leaves no output and a retried task does no work:
 1. open and validate the source completely (shards, shapes, architecture, TP degree);
 2. if DST already holds a manifest: verify it and return it (same request) or refuse (different);
-3. stream: a reader thread reads whole tensors while this thread writes and checksums them; the
-   bytes in flight are capped at the largest tensor, so peak memory stays near one tensor;
+3. stream: a reader thread reads whole tensors into a reused ring of memory while this thread
+   writes them (their checksums computed on another thread); the ring holds the largest tensor plus
+   64 MB, so peak memory stays near one tensor;
 4. publish the manifest create-only (the commit). On any error the files written are removed.
 """
 
@@ -18,6 +19,8 @@ import time
 
 from ..storage import put_if_absent, url_to_fs
 from .arch import Architecture
+from .files import HashPipe
+from .ring import TensorRing
 from .layout import MANIFEST, MANIFEST_VERSION, ReshardError, ordered, parse_format
 from .manifest import encode, read_manifest, verify
 from .sinks import META_PREFIX, make_sink
@@ -25,46 +28,29 @@ from .sources import open_source
 
 log = logging.getLogger(__name__)
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9  # Hugging Face's default shard size
+RING_SLACK = 64 << 20
 _RESERVED = {"format", "version", "step", "source_format", "architecture", "files", "tensors", "manifest_version",
              "tp_size", "rank_files", "world_size"}
 
 
-class _Budget:
-    """Bytes of tensors held between the reader and the writer; one tensor may always pass."""
-
-    def __init__(self, cap: int):
-        self.cap, self.used = cap, 0
-        self.cond = threading.Condition()
-        self.stopped = False
-
-    def acquire(self, n: int) -> bool:
-        with self.cond:
-            while self.used and self.used + n > self.cap and not self.stopped:
-                self.cond.wait()
-            self.used += n
-            return not self.stopped
-
-    def release(self, n: int) -> None:
-        with self.cond:
-            self.used -= n
-            self.cond.notify_all()
-
-    def stop(self) -> None:
-        with self.cond:
-            self.stopped = True
-            self.cond.notify_all()
+def ring_capacity(specs) -> int:
+    """The largest tensor plus some slack, so small tensors keep flowing while a big one is written."""
+    largest = max(s.nbytes for s in specs)
+    return largest + min(largest, RING_SLACK)
 
 
-def _stream(source, sink, specs, log_every_s: float = 30.0) -> None:
-    budget = _Budget(max(s.nbytes for s in specs))
+def _stream(source, sink, specs, pipe: HashPipe | None = None, capacity: int | None = None,
+            log_every_s: float = 30.0) -> None:
+    ring = TensorRing(capacity or ring_capacity(specs))
     q: queue.Queue = queue.Queue()
 
     def produce():
         try:
             for spec in specs:
-                if not budget.acquire(spec.nbytes):
+                t = ring.take(spec.shape, spec.dtype)
+                if t is None:
                     return
-                q.put((spec, source.read(spec.name)))
+                q.put((spec, source.read(spec.name, t)))
             q.put(None)
         except BaseException as e:  # noqa: BLE001 - handed to the writer thread, which raises it
             q.put(e)
@@ -81,19 +67,16 @@ def _stream(source, sink, specs, log_every_s: float = 30.0) -> None:
                 raise item
             spec, tensor = item
             sink.write(spec, tensor)
+            if pipe is not None:
+                pipe.drain()  # the checksum thread is done with this tensor's memory
             del tensor, item
-            budget.release(spec.nbytes)
+            ring.release()
             done_bytes += spec.nbytes
             if time.monotonic() - last > log_every_s:
                 last = time.monotonic()
                 log.info("reshard: %.0f%% (%.2f of %.2f GB)", 100 * done_bytes / total, done_bytes / 1e9, total / 1e9)
     finally:
-        budget.stop()
-        while reader.is_alive():  # drain so the reader never blocks on a full budget
-            try:
-                q.get(timeout=0.1)
-            except queue.Empty:
-                pass
+        ring.stop()
         reader.join()
 
 
@@ -138,10 +121,12 @@ def publish(src_url: str, dst_url: str, to: str = "hf", *, policy_version: int |
         specs = ordered(source.specs)
         meta = {"step": step, "world_size": fmt.degree, "policy_version": version, "format": "dcp"}
         save_id = hashlib.sha256(f"{fmt}|{step}|{version}|{[(s.name, s.shape) for s in specs]}".encode()).hexdigest()[:32]
-        sink = make_sink(fmt, fs, root, specs, arch, max_shard_bytes=max_shard_bytes, meta=meta, save_id=save_id)
+        pipe = HashPipe()
+        sink = make_sink(fmt, fs, root, specs, arch, max_shard_bytes=max_shard_bytes, meta=meta, save_id=save_id,
+                         pipe=pipe)
         try:
             sink.copy_meta(source.fs, source.meta_files, META_PREFIX[fmt.kind])
-            _stream(source, sink, specs)
+            _stream(source, sink, specs, pipe)
             sink.finish()
             manifest = {
                 **{k: v for k, v in (extra or {}).items() if k not in _RESERVED},
@@ -158,6 +143,8 @@ def publish(src_url: str, dst_url: str, to: str = "hf", *, policy_version: int |
             if read_manifest(fs, root) is None:
                 _remove(fs, root, sink.committed_paths())
             raise
+        finally:
+            pipe.close()
     finally:
         source.close()
 

@@ -64,8 +64,9 @@ def read_header(f, where: str, file_size: int | None = None) -> dict[str, Entry]
     return out
 
 
-def read_tensor(f, entry: Entry, where: str) -> torch.Tensor:
-    t = torch.empty(entry.shape, dtype=entry.dtype)
+def read_tensor(f, entry: Entry, where: str, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The tensor of `entry`, read into `out` (contiguous, right shape and dtype) when given."""
+    t = torch.empty(entry.shape, dtype=entry.dtype) if out is None else out
     f.seek(entry.begin)
     read_into(f, t, where)
     return t
@@ -96,7 +97,7 @@ class SafetensorsWriter:
         want, shape, dtype, nbytes = self._order[self._next]
         if name != want or tuple(t.shape) != shape or t.dtype != dtype:
             raise RuntimeError(f"{self.out.path}: expected {want} {list(shape)} {dtype}, got {name} {list(t.shape)} {t.dtype}")
-        self.out.write(tensor_bytes(t.contiguous()))
+        self.out.write(tensor_bytes(t.contiguous()), stable=True)
         self._next += 1
 
     @property

@@ -20,20 +20,20 @@ import torch
 
 from .arch import Architecture
 from .dcp_io import DCPWriter
-from .files import OutFile
+from .files import HashPipe, OutFile
 from .layout import DCP_DIR, HF_INDEX, HF_META_DIR, HF_SINGLE, META, ST_CODES, Format, TensorSpec, hf_shard_name, tp_rank_name
 from .safetensors_io import SafetensorsWriter
 
 
 class Sink:
-    def __init__(self, fs, root: str):
-        self.fs, self.root = fs, root
+    def __init__(self, fs, root: str, pipe: HashPipe | None = None):
+        self.fs, self.root, self.pipe = fs, root, pipe
         self.files: dict[str, dict] = {}  # committed: relative path -> {"bytes", "sha256"}
         self.manifest_fields: dict = {}
         self._open: list[OutFile] = []
 
     def _new(self, rel: str) -> OutFile:
-        f = OutFile(self.fs, f"{self.root}/{rel}")
+        f = OutFile(self.fs, f"{self.root}/{rel}", self.pipe)
         self._open.append(f)
         return f
 
@@ -66,8 +66,8 @@ class Sink:
 
 
 class HFSink(Sink):
-    def __init__(self, fs, root: str, specs: list[TensorSpec], max_shard_bytes: int):
-        super().__init__(fs, root)
+    def __init__(self, fs, root: str, specs: list[TensorSpec], max_shard_bytes: int, pipe: HashPipe | None = None):
+        super().__init__(fs, root, pipe)
         groups: list[list[TensorSpec]] = [[]]
         size = 0
         for s in specs:
@@ -105,8 +105,9 @@ class HFSink(Sink):
 
 
 class TPSink(Sink):
-    def __init__(self, fs, root: str, specs: list[TensorSpec], arch: Architecture, n: int):
-        super().__init__(fs, root)
+    def __init__(self, fs, root: str, specs: list[TensorSpec], arch: Architecture, n: int,
+                 pipe: HashPipe | None = None):
+        super().__init__(fs, root, pipe)
         self.n = n
         self._pieces = {s.name: arch.tp_pieces(s, n) for s in specs}
         self._writers = []
@@ -162,11 +163,12 @@ class DCPSink(Sink):
         super().abort()
 
 
-def make_sink(fmt: Format, fs, root: str, specs, arch: Architecture, *, max_shard_bytes: int, meta: dict, save_id: str) -> Sink:
+def make_sink(fmt: Format, fs, root: str, specs, arch: Architecture, *, max_shard_bytes: int, meta: dict, save_id: str,
+              pipe: HashPipe | None = None) -> Sink:
     if fmt.kind == "hf":
-        return HFSink(fs, root, specs, max_shard_bytes)
+        return HFSink(fs, root, specs, max_shard_bytes, pipe)
     if fmt.kind == "tp":
-        return TPSink(fs, root, specs, arch, fmt.degree)
+        return TPSink(fs, root, specs, arch, fmt.degree, pipe)
     return DCPSink(fs, root, fmt.degree, meta, save_id)
 
 

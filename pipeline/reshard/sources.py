@@ -67,7 +67,8 @@ class Source:
             out[p] = read_header(self._file(p), p, self.fs.size(p))
         return out
 
-    def read(self, name: str) -> torch.Tensor:
+    def read(self, name: str, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The whole tensor `name`, filled into `out` (contiguous, its shape and dtype) if given."""
         raise NotImplementedError
 
     def close(self) -> None:
@@ -105,9 +106,9 @@ class HFSource(Source):
         if manifest:
             self.step, self.policy_version = manifest.get("step"), manifest.get("version")
 
-    def read(self, name: str) -> torch.Tensor:
+    def read(self, name: str, out: torch.Tensor | None = None) -> torch.Tensor:
         path, entry = self._where[name]
-        return read_tensor(self._file(path), entry, path)
+        return read_tensor(self._file(path), entry, path, out)
 
 
 class TPSource(Source):
@@ -137,13 +138,13 @@ class TPSource(Source):
             self.specs.append(spec)
         self._headers_by_path = headers
 
-    def read(self, name: str) -> torch.Tensor:
+    def read(self, name: str, out: torch.Tensor | None = None) -> torch.Tensor:
         t = self._plan[name]
         spec = TensorSpec(name, tuple(t["shape"]), _dtype(t["dtype"], self.root))
         dim = t.get("dim")
         if dim is None:  # replicated: every rank holds the same bytes; read rank 0's
-            return read_tensor(self._file(self._paths[0]), self._headers_by_path[self._paths[0]][name], self._paths[0])
-        out = torch.empty(spec.shape, dtype=spec.dtype)
+            return read_tensor(self._file(self._paths[0]), self._headers_by_path[self._paths[0]][name], self._paths[0], out)
+        out = torch.empty(spec.shape, dtype=spec.dtype) if out is None else out
         seen = set()
         for r, (start, stop) in enumerate(t["ranges"]):
             if (start, stop) in seen or stop == start:
@@ -174,8 +175,8 @@ class DCPSource(Source):
         self.format = Format("dcp", int(meta.get("world_size") or self.reader.world_size))
         self.step, self.policy_version = meta.get("step"), meta.get("policy_version")
 
-    def read(self, name: str) -> torch.Tensor:
-        return self.reader.read(name)
+    def read(self, name: str, out: torch.Tensor | None = None) -> torch.Tensor:
+        return self.reader.read(name, out)
 
     def close(self) -> None:
         self.reader.close()

@@ -115,23 +115,34 @@ def test_cli_converts_and_verifies(trainer_ckpt, tmp_path, capsys):
     assert "does not divide" in capsys.readouterr().err
 
 
-def test_bytes_in_flight_never_exceed_the_largest_tensor(tiny):
+@pytest.mark.parametrize("choices", [(10, 300, 1000, 16), (16, 160, 320, 1000)])  # the second: exact fits
+def test_tensors_in_flight_stay_within_the_ring_and_are_never_overwritten_while_held(choices):
+    import random
+    import time
+
     from pipeline.reshard.engine import _stream
     from pipeline.reshard.layout import TensorSpec
 
-    specs = [TensorSpec(f"t{i}", (n,), torch.float32) for i, n in enumerate([10, 1000, 10, 10, 1000, 500, 500, 10])]
-    held = {"now": 0, "max": 0}
+    rng = random.Random(0)
+    sizes = [rng.choice(choices) for _ in range(300)]
+    specs = [TensorSpec(f"t{i}", (n,), torch.float32) for i, n in enumerate(sizes)]
+    held = {"now": 0, "max": 0, "checked": 0}
 
     class Source:
-        def read(self, name):
-            spec = next(s for s in specs if s.name == name)
-            held["now"] += spec.nbytes
+        def read(self, name, out):
+            i = int(name[1:])
+            held["now"] += specs[i].nbytes
             held["max"] = max(held["max"], held["now"])
-            return torch.zeros(spec.shape)
+            out.fill_(float(i))
+            return out
 
     class Sink:
         def write(self, spec, t):
+            time.sleep(0.0002 * (int(spec.name[1:]) % 3))  # let the reader run ahead and wrap around
+            assert bool((t == float(spec.name[1:])).all()), spec.name  # not overwritten by a later read
             held["now"] -= spec.nbytes
+            held["checked"] += 1
 
-    _stream(Source(), Sink(), specs)
-    assert held["now"] == 0 and 1000 * 4 <= held["max"] <= 1000 * 4 + 10 * 4
+    _stream(Source(), Sink(), specs, capacity=5120)
+    assert held["checked"] == len(specs) and held["now"] == 0
+    assert 4000 <= held["max"] <= 5120

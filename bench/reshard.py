@@ -1,0 +1,164 @@
+"""Resharding speed and memory against a plain copy of the same bytes, on the same disk, in one run.
+
+    .venv/bin/python bench/reshard.py [--dir DIR] [--dtype bfloat16] [--layers 24] [--repeat 1]
+
+Builds a synthetic trainer checkpoint (dcp:2 layout) with the real Qwen2-0.5B shapes (hidden 896,
+24 layers, 14 heads, 2 KV heads, MLP 4864, vocabulary 151936, untied LM head: 630 M parameters,
+1.26 GB in bf16), random weights written tensor by tensor. Then, side by side:
+
+    copy      `cp -r` of the checkpoint folder, then fsync of every copied file (the reshard fsyncs
+              its outputs too, before committing the manifest), also reported without the fsync
+    dcp->hf   reshard to a Hugging Face folder, in a child process
+    hf->tp:2  reshard of that folder to tp:2, in a child process
+
+Reshard times are the `reshard()` call inside the child (not interpreter start-up); peak RSS is the
+child's ru_maxrss (so it includes the ~250 MB of the imported libraries). With --repeat > 1 the
+three are interleaved and each keeps its fastest time. Prints one JSON line; deletes its files.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+QWEN2_05B = dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                 num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=32768,
+                 rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=False, use_sliding_window=False)
+
+CHILD = """
+import json, resource, sys, time
+sys.path.insert(0, {root!r})
+from pipeline.models import set_threads
+set_threads(1)
+from pipeline.reshard import reshard
+ru0 = resource.getrusage(resource.RUSAGE_SELF)
+rss0, cpu0 = ru0.ru_maxrss / 1024, ru0.ru_utime + ru0.ru_stime
+t0 = time.perf_counter()
+reshard({src!r}, {dst!r}, to={to!r})
+dt = time.perf_counter() - t0
+ru = resource.getrusage(resource.RUSAGE_SELF)
+print(json.dumps({{"s": dt, "peak_rss_mb": ru.ru_maxrss / 1024, "rss_after_import_mb": rss0,
+                  "cpu_s": ru.ru_utime + ru.ru_stime - cpu0}}))
+"""
+
+
+def build_checkpoint(dst: str, dtype_name: str, layers: int) -> tuple[int, int]:
+    """Write a dcp:2 trainer checkpoint tensor by tensor; returns (bytes of weights, largest tensor)."""
+    import torch
+    from transformers import Qwen2Config
+
+    from pipeline.reshard.arch import Architecture
+    from pipeline.reshard.dcp_io import DCPWriter
+    from pipeline.reshard.layout import TensorSpec, ordered
+    from pipeline.storage import url_to_fs
+
+    dtype = getattr(torch, dtype_name)
+    cfg = Qwen2Config(**{**QWEN2_05B, "num_hidden_layers": layers}, torch_dtype=dtype_name,
+                      architectures=["Qwen2ForCausalLM"])
+    os.makedirs(os.path.join(dst, "hf"))
+    cfg.save_pretrained(os.path.join(dst, "hf"))
+    arch = Architecture.from_config(cfg.to_dict(), dst)
+    specs = ordered(TensorSpec(n, s, dtype) for n, s in arch.expected_shapes().items())
+    fs, root = url_to_fs(dst)
+    writer = DCPWriter(fs, f"{root}/dcp", 2, "bench")
+    gen = torch.Generator().manual_seed(0)
+    for spec in specs:
+        t = (torch.randn(spec.shape, generator=gen) * 0.02).to(dtype)
+        writer.write(spec, t)
+        del t
+    writer.commit()
+    with open(os.path.join(dst, "meta.json"), "w") as f:
+        json.dump({"step": 1, "world_size": 2, "policy_version": 1, "format": "dcp"}, f)
+    return sum(s.nbytes for s in specs), max(s.nbytes for s in specs)
+
+
+def run_child(src: str, dst: str, to: str) -> dict:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    code = CHILD.format(root=ROOT, src=src, dst=dst, to=to)
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise SystemExit(f"reshard to {to} failed:\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def timed_copy(src: str, dst: str) -> tuple[float, float]:
+    """(seconds for cp -r, seconds for cp -r plus fsync of every copied file)."""
+    t0 = time.perf_counter()
+    subprocess.run(["cp", "-r", src, dst], check=True)
+    t1 = time.perf_counter()
+    for dirpath, _, names in os.walk(dst):
+        for n in names:
+            fd = os.open(os.path.join(dirpath, n), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+    return t1 - t0, time.perf_counter() - t0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--dir", default=None, help="work folder (default: a temporary folder under /tmp)")
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    ap.add_argument("--layers", type=int, default=24)
+    ap.add_argument("--repeat", type=int, default=1)
+    ap.add_argument("--build-only", metavar="DST", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.build_only:  # child mode: keeps torch and the weights out of the measuring process
+        sys.path.insert(0, ROOT)
+        import torch
+
+        torch.set_num_threads(1)
+        print(json.dumps(build_checkpoint(args.build_only, args.dtype, args.layers)))
+        return
+    # This process never imports torch: Linux carries a parent's peak RSS into a child's ru_maxrss
+    # across fork+exec, so a large parent would inflate every measurement.
+    work = tempfile.mkdtemp(prefix="bench-reshard-", dir=args.dir)
+    try:
+        src = os.path.join(work, "step_1")
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        built = subprocess.run([sys.executable, __file__, "--build-only", src, "--dtype", args.dtype, "--layers",
+                                str(args.layers)], env=env, capture_output=True, text=True)
+        if built.returncode != 0:
+            raise SystemExit(f"building the checkpoint failed:\n{built.stderr[-3000:]}")
+        nbytes, largest = json.loads(built.stdout.strip().splitlines()[-1])
+        best = {"copy": float("inf"), "copy_sync": float("inf"), "dcp_to_hf": float("inf"), "hf_to_tp2": float("inf")}
+        rss, rss0 = 0.0, 0.0
+        for i in range(args.repeat):
+            for name in ("copy", "hf", "tp2"):
+                shutil.rmtree(os.path.join(work, name), ignore_errors=True)
+            plain, synced = timed_copy(src, os.path.join(work, "copy"))
+            best["copy"], best["copy_sync"] = min(best["copy"], plain), min(best["copy_sync"], synced)
+            a = run_child(src, os.path.join(work, "hf"), "hf")
+            b = run_child(os.path.join(work, "hf"), os.path.join(work, "tp2"), "tp:2")
+            best["dcp_to_hf"], best["hf_to_tp2"] = min(best["dcp_to_hf"], a["s"]), min(best["hf_to_tp2"], b["s"])
+            rss = max(rss, a["peak_rss_mb"], b["peak_rss_mb"])
+            rss0 = max(rss0, a["rss_after_import_mb"], b["rss_after_import_mb"])
+        gb = nbytes / 1e9
+        slower = max(best["dcp_to_hf"], best["hf_to_tp2"])
+        largest_mb = largest / 2**20
+        print(json.dumps({
+            "gb": round(gb, 3), "dtype": args.dtype,
+            "dcp_to_hf_s": round(best["dcp_to_hf"], 3), "dcp_to_hf_gbps": round(gb / best["dcp_to_hf"], 3),
+            "hf_to_tp2_s": round(best["hf_to_tp2"], 3), "hf_to_tp2_gbps": round(gb / best["hf_to_tp2"], 3),
+            "copy_s": round(best["copy_sync"], 3), "copy_gbps": round(gb / best["copy_sync"], 3),
+            "copy_nosync_s": round(best["copy"], 3),
+            "ratio_vs_copy": round(slower / best["copy_sync"], 3),
+            "ratio_vs_copy_nosync": round(slower / best["copy"], 3),
+            "peak_rss_mb": round(rss, 1), "rss_after_import_mb": round(rss0, 1),
+            "largest_tensor_mb": round(largest_mb, 1), "rss_goal_mb": round(2 * largest_mb + 256, 1),
+            "repeat": args.repeat,
+        }))
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
