@@ -109,7 +109,16 @@ def _is_precondition_failure(e: BaseException) -> bool:
 
 
 def read_bytes(fs: fsspec.AbstractFileSystem, path: str) -> bytes:
+    """The whole object. On S3 a single GET: s3fs otherwise sends a HEAD first (and, for a missing
+    key, a LIST to tell a folder from a file), which triples the cost of polling for a log entry
+    that does not exist yet."""
+    if _protocol(fs) in ("s3", "s3a"):
+        return fs.cat_file(path, max_concurrency=1)
     return fs.cat_file(path)
+
+
+def _protocol(fs: fsspec.AbstractFileSystem) -> str:
+    return fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
 
 
 def list_names(fs: fsspec.AbstractFileSystem, path: str) -> list[str]:
