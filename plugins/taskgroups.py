@@ -38,18 +38,20 @@ def policy_asset(dag_id: str) -> Asset:
 
 @task(retries=SENSOR_RETRIES, retry_delay=timedelta(seconds=5))
 def reshard(checkpoint: dict) -> dict:
-    """Trainer layout -> sampler layout, published atomically as policy v<step>; verified after."""
+    """Trainer layout -> sampler layout, committed atomically as policy v<step>, then verified
+    against its manifest. The same library call the local runner makes; idempotent on retry."""
     from pipeline.policy import PolicyStore
-    from pipeline.reshard import publish_checkpoint, verify_policy
+    from pipeline.reshard import verify_policy
     from pipeline.runs import RunDir
+    from pipeline.trainer.publish import publish_phase_checkpoint
 
     run_url, version = checkpoint["run_url"], int(checkpoint["step"])
-    published = publish_checkpoint(run_url, checkpoint["checkpoint"], version)
-    store = PolicyStore(RunDir(run_url))
-    if not store.exists(version):
+    published = publish_phase_checkpoint(run_url, checkpoint["checkpoint"], version)
+    if not PolicyStore(RunDir(run_url)).exists(version):
         raise AirflowException(f"reshard of {checkpoint['checkpoint']} did not commit policy v{version}")
-    report = verify_policy(run_url, version)
-    print(f"phase {checkpoint['phase']}: policy v{version} published={published} verified={report}")
+    verify_policy(run_url, version)  # raises when a file is missing or its sha256 differs
+    print(f"phase {checkpoint['phase']}: policy v{version} {'published' if published else 'already published'}"
+          f" from {checkpoint['checkpoint']} and verified")
     return {"phase": checkpoint["phase"], "version": version, "published_now": bool(published)}
 
 

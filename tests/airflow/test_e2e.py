@@ -1,0 +1,216 @@
+"""End to end with real Airflow components: api-server, scheduler, dag-processor and triggerer on
+127.0.0.1, LocalExecutor, the real engine. (`airflow dags test` would deadlock sampler and trainer.)
+
+One deployment serves the whole module; the runs are tiny (the built-in sort task, a dozen steps).
+"""
+
+import json
+import os
+import signal
+import socket
+import time
+from datetime import date, timedelta
+from pathlib import Path
+
+import pytest
+
+from pipeline.airflow_local import AirflowClient, LocalAirflow
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(2400)]
+
+STEPS, PHASES, REPLAY_EPOCHS, GROUPS_PER_STEP = 12, 2, 1, 16
+TRAIN_CONF = {"config_file": "tiny-grpo.yaml", "steps": STEPS, "phases": PHASES, "replay_epochs": REPLAY_EPOCHS,
+              "overrides": {"data.eval_size": 32, "trainer.groups_per_step": GROUPS_PER_STEP}}
+RETRAIN_CONF = {"config_file": "tiny-grpo.yaml", "steps": 4, "phases": 2, "replay_epochs": 0,
+                "overrides": {"data.eval_size": 16}}
+RUN_TIMEOUT_S = 1200
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def last_sundays(n: int) -> list[str]:
+    """The n most recent Sundays before today, oldest first (rlhf_retrain runs @weekly)."""
+    d = date.today() - timedelta(days=1)
+    while d.weekday() != 6:
+        d -= timedelta(days=1)
+    return [(d - timedelta(weeks=i)).isoformat() for i in reversed(range(1, n + 1))]
+
+
+def engine_pids(role: str, run_url: str) -> list[int]:
+    """Processes running `python -m pipeline <role> --run-dir <run_url>`."""
+    want = ["-m", "pipeline", role, "--run-dir", run_url]
+    pids = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            argv = cmdline.read_bytes().decode().split("\0")[:-1]
+        except OSError:
+            continue
+        if argv[1:] == want or argv[-len(want):] == want:
+            pids.append(int(cmdline.parent.name))
+    return pids
+
+
+@pytest.fixture(scope="module")
+def deployment(tmp_path_factory):
+    from pipeline.data import write_rows
+    from pipeline.example import ensure_example
+    from pipeline.tasks import make_rows
+
+    tmp = tmp_path_factory.mktemp("e2e")
+    ensure_example("sort", 0)  # build the tiny model once, before the components compete for the cores
+    dates = last_sundays(2)
+    for i, day in enumerate(dates):
+        write_rows(make_rows("sort", 64, seed=100 + i, split="train"), str(tmp / "prompts" / f"ds={day}" / "part-0.parquet"))
+    af = LocalAirflow(home=tmp / "airflow", port=free_port(), runs_root=str(tmp / "runs"),
+                      extra_env={"RLHF_PROMPTS_ROOT": str(tmp / "prompts")})
+    client = af.up(wait_s=300)
+    try:
+        for dag_id in ("rlhf_train", "rlhf_retrain"):
+            client.wait_for_dag(dag_id, timeout_s=180)
+            client.unpause(dag_id)
+        yield {"af": af, "client": client, "tmp": tmp, "dates": dates}
+    finally:
+        af.down()
+
+
+def tis_by_id(client: AirflowClient, dag_id: str, run_id: str) -> dict[str, list[dict]]:
+    out: dict[str, list[dict]] = {}
+    for ti in client.task_instances(dag_id, run_id):
+        out.setdefault(ti["task_id"], []).append(ti)
+    return out
+
+
+def test_a_bad_parameter_is_refused_with_400_and_no_run(deployment):
+    client = deployment["client"]
+    before = len(client.dag_runs("rlhf_train"))
+    for bad in ({"steps": 0}, {"sampler_backend": "tgi"}, {"run_name": "../../etc"}):
+        code, body = client.call("POST", "/api/v2/dags/rlhf_train/dagRuns", {"logical_date": None, "conf": bad})
+        assert code == 400, (bad, body)
+    assert len(client.dag_runs("rlhf_train")) == before
+
+
+@pytest.fixture(scope="module")
+def train_run(deployment):
+    """Trigger rlhf_train over REST; SIGKILL the trainer's process once phase 0 is checkpointed."""
+    client = deployment["client"]
+    run_id = client.trigger("rlhf_train", TRAIN_CONF)["dag_run_id"]
+    deadline = time.monotonic() + RUN_TIMEOUT_S
+    run_url, killed = None, None
+    while time.monotonic() < deadline:
+        state = client.dag_run("rlhf_train", run_id)["state"]
+        if state in ("success", "failed"):
+            break
+        if run_url is None:
+            code, body = client.call("GET", f"/api/v2/dags/rlhf_train/dagRuns/{run_id}/taskInstances/prepare/xcomEntries/run_url")
+            run_url = body["value"] if code == 200 else None
+        if run_url and killed is None:
+            from pipeline.runs import RunDir
+
+            run = RunDir(run_url)
+            if run.has_marker("trainer_done"):
+                pytest.fail("the trainer finished before it could be killed; raise STEPS")
+            pids = engine_pids("trainer", run_url)
+            if run.has_marker("phase_0.done") and pids:
+                os.kill(pids[0], signal.SIGKILL)
+                killed = {"pid": pids[0], "after_step": (run.marker("phase_0.done") or {}).get("step")}
+        time.sleep(0.3)
+    final = client.wait_for_run("rlhf_train", run_id, timeout_s=max(deadline - time.monotonic(), 1))
+    return {"run_id": run_id, "state": final["state"], "run_url": run_url, "killed": killed,
+            "tis": tis_by_id(client, "rlhf_train", run_id)}
+
+
+def test_triggered_run_succeeds_with_every_phase_and_gate_task(train_run):
+    tis = train_run["tis"]
+    assert train_run["state"] == "success", {k: [t["state"] for t in v] for k, v in tis.items()}
+    for task_id in ("prepare", "sampler", "trainer", "finalize", "stop_sampler"):
+        assert [t["state"] for t in tis[task_id]] == ["success"], task_id
+    assert sorted(t["map_index"] for t in tis["phase.wait_checkpoint"]) == list(range(PHASES))
+    assert sorted(t["map_index"] for t in tis["phase.reshard"]) == list(range(PHASES))
+    assert sorted(t["map_index"] for t in tis["replay_gate"]) == list(range(REPLAY_EPOCHS))
+    for task_id in ("phase.wait_checkpoint", "phase.reshard", "replay_gate"):
+        assert {t["state"] for t in tis[task_id]} == {"success"}, task_id
+    assert [t["state"] for t in tis["watcher"]] == ["skipped"]
+
+
+def test_sampler_and_trainer_ran_at_the_same_time(train_run):
+    from datetime import datetime
+
+    def span(task_id):
+        ti = train_run["tis"][task_id][0]
+        return datetime.fromisoformat(ti["start_date"]), datetime.fromisoformat(ti["end_date"])
+
+    (s0, s1), (t0, t1) = span("sampler"), span("trainer")
+    assert max(s0, t0) < min(s1, t1)
+
+
+def test_each_phase_published_a_policy_that_verifies(train_run):
+    from pipeline.policy import PolicyStore
+    from pipeline.reshard import verify_policy
+    from pipeline.runs import RunDir
+
+    run = RunDir(train_run["run_url"])
+    store = PolicyStore(run)
+    for k in range(PHASES):
+        marker = run.marker(f"phase_{k}.done")
+        assert store.exists(int(marker["step"]))
+        verify_policy(run.url, int(marker["step"]))
+    assert store.latest() == STEPS
+    assert run.read_json("summary.json") is not None
+
+
+def test_killed_trainer_resumed_on_retry_without_training_a_rollout_twice(train_run):
+    from pipeline.buffer import ReplayBuffer
+    from pipeline.runs import RunDir
+
+    assert train_run["killed"] is not None, "the trainer process was never seen"
+    assert train_run["tis"]["trainer"][0]["try_number"] >= 2
+    run = RunDir(train_run["run_url"])
+    consumed = ReplayBuffer(run.buffer_url, run.config().buffer).stats()["consumed"]["trainer"]
+    assert consumed["groups"] == STEPS * GROUPS_PER_STEP  # each fresh group trained once: none twice, none skipped
+    steps = [r["step"] for r in run.read_metrics("trainer") if "step" in r]
+    assert max(steps) == STEPS
+
+
+def test_finalize_emitted_the_policy_asset_event(deployment, train_run):
+    events = deployment["client"].request("GET", "/api/v2/assets/events?limit=100")["asset_events"]
+    mine = [e for e in events if e.get("source_run_id") == train_run["run_id"]]
+    assert len(mine) == 1
+    assert mine[0]["extra"]["run_url"] == train_run["run_url"] and mine[0]["extra"]["version"] == STEPS
+
+
+def test_dashboard_requires_a_token_and_reports_the_run(deployment, train_run):
+    client = deployment["client"]
+    path = f"/rlhf/api/dags/rlhf_train/runs/{train_run['run_id']}/status"
+    assert client.call("GET", path, authenticated=False)[0] == 401
+    code, status = client.call("GET", path)
+    assert code == 200
+    assert status["run_url"] == train_run["run_url"] and status["trainer_done"] is True
+    assert all(p["done"] for p in status["phases"])
+    assert status["curves"]["trainer"]["reward/mean"]
+    page = f"/rlhf/dags/rlhf_train/runs/{train_run['run_id']}"
+    assert client.call("GET", page, authenticated=False)[0] == 401
+
+
+def test_backfill_of_two_dates_gives_two_runs_with_separate_run_directories(deployment):
+    af, client, dates = deployment["af"], deployment["client"], deployment["dates"]
+    af.backfill("rlhf_retrain", dates[0], dates[-1], conf=RETRAIN_CONF, max_active_runs=1)
+    deadline = time.monotonic() + 2 * RUN_TIMEOUT_S
+    while True:
+        runs = [r for r in client.dag_runs("rlhf_retrain") if r["run_type"] == "backfill"]
+        if len(runs) >= 2 and all(r["state"] in ("success", "failed") for r in runs):
+            break
+        assert time.monotonic() < deadline, [(r["dag_run_id"], r["state"]) for r in runs]
+        time.sleep(5)
+    assert sorted(r["logical_date"][:10] for r in runs) == dates
+    assert [r["state"] for r in runs] == ["success", "success"], runs
+    runs_root = deployment["tmp"] / "runs"
+    for day in dates:
+        assert (runs_root / f"rlhf_retrain-{day}" / "summary.json").exists()
+    registry = json.loads((runs_root / "registry" / "rlhf_retrain.json").read_text())["runs"]
+    assert sorted(registry) == dates
+    assert registry[dates[0]]["started_from"] is None
+    assert registry[dates[1]]["started_from"] == registry[dates[0]]["policy_url"]  # from the last published policy
