@@ -8,6 +8,7 @@ import importlib.util
 import json
 import logging
 import os
+import signal
 import sys
 
 from .config import ConfigError
@@ -135,9 +136,16 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _sigterm_to_exit(signum, frame):
+    # SIGTERM (Airflow's on_kill, the runner, Kubernetes) unwinds like Ctrl-C, so `finally`
+    # blocks flush the buffer writer and the metrics before the process exits.
+    raise KeyboardInterrupt()
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     _setup_logging(args.verbose)
+    signal.signal(signal.SIGTERM, _sigterm_to_exit)
     try:
         return args.fn(args) or 0
     except ConfigError as e:

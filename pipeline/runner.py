@@ -143,15 +143,12 @@ def run_local(cfg: RunConfig, run_url: str | None = None, progress: bool = True)
         src = procs["sampler"].wait(timeout=120)
         if rc != 0 or src != 0:
             raise RuntimeError(f"trainer exited with {rc}, sampler with {src}; see the output above and {run.url}/metrics")
-    except KeyboardInterrupt:
-        run.request_stop("interrupted")
+    except BaseException as e:
+        # Ctrl-C or a failure: ask both processes to stop at their next poll, then make sure.
+        run.request_stop("interrupted" if isinstance(e, KeyboardInterrupt) else f"runner failed: {e}")
+        deadline = time.time() + 15
         for p in procs.values():
-            _terminate(p)
-        raise
-    except BaseException:
-        run.request_stop("runner failed")
-        for p in procs.values():
-            _terminate(p)
+            _terminate(p, grace_s=max(0.0, deadline - time.time()))
         raise
     summary = finalize(run)
     summary["total_s"] = round(time.time() - t_start, 2)
@@ -160,13 +157,14 @@ def run_local(cfg: RunConfig, run_url: str | None = None, progress: bool = True)
 
 
 def _terminate(p: subprocess.Popen, grace_s: float = 10.0) -> None:
-    if p.poll() is not None:
-        return
-    try:
-        os.killpg(p.pid, signal.SIGTERM)
-        p.wait(timeout=grace_s)
-    except subprocess.TimeoutExpired:
-        os.killpg(p.pid, signal.SIGKILL)
-        p.wait()
-    except ProcessLookupError:
-        pass
+    """Wait up to `grace_s` for a clean exit (stop marker), then SIGTERM, then SIGKILL the group."""
+    for sig in (None, signal.SIGTERM, signal.SIGKILL):
+        try:
+            if sig is not None:
+                os.killpg(p.pid, sig)
+            p.wait(timeout=grace_s if sig is None else 10.0)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+        except ProcessLookupError:
+            return

@@ -88,3 +88,39 @@ def test_dataset_missing_column_fails_before_model_load(tmp_path):
               "--set", f"data.train={bad}", timeout=120)
     assert p.returncode == 2 and "lacks column 'data_source'" in p.stderr
     assert not (tmp_path / "runs").exists()
+
+
+def test_ctrl_c_stops_both_processes_cleanly(tmp_path):
+    import signal
+    import time
+
+    import psutil
+
+    run_dir = tmp_path / "runs" / "it-interrupt"
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.Popen([sys.executable, "-m", "pipeline", "run", "configs/tiny-test.yaml", "--run-dir",
+                             str(run_dir), "--no-progress", "--set", "trainer.steps=100000"],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    run = None
+    deadline = time.time() + 120
+    while time.time() < deadline:  # wait until the trainer has taken steps
+        if (run_dir / "metrics" / "trainer.jsonl").exists():
+            run = RunDir(str(run_dir))
+            if any("step" in r for r in run.read_metrics("trainer")):
+                break
+        time.sleep(0.5)
+    assert run is not None, "trainer never started"
+    children = psutil.Process(proc.pid).children(recursive=True)
+    assert len(children) >= 2
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err[-2000:]
+    assert run.stop_requested()
+    gone, alive = psutil.wait_procs(children, timeout=5)
+    assert not alive
+    # the sampler flushed what it generated: every logged batch is committed in the buffer
+    from pipeline.buffer import ReplayBuffer
+
+    logged = sum(r["sampler/samples"] for r in run.read_metrics("sampler-0") if "sampler/samples" in r)
+    committed, _ = ReplayBuffer(run.buffer_url).read_fresh(None, 1_000_000)
+    assert committed.num_rows == logged
