@@ -134,7 +134,8 @@ def make_backend(name: str, model_dir: str, *, dtype: str, threads: int, seed: i
 
         return HFBackend(model_dir, dtype=dtype, threads=threads, seed=seed, max_batch_tokens=max_batch_tokens)
     if name == "vllm":
-        if importlib.util.find_spec("vllm") is None:
+        spec = importlib.util.find_spec("vllm")
+        if spec is None or spec.origin is None:  # absent, or only a namespace folder named vllm
             raise RuntimeError(
                 "sampler.backend=vllm needs vLLM installed in this environment; `pip install -e .[vllm]` "
                 "on GPU machines or the CPU build in .venv-vllm (`make test-vllm`), or use sampler.backend=hf"
