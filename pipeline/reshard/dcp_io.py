@@ -136,14 +136,19 @@ class DCPReader:
                 raise ReshardError(f"{folder}/{rel}: shard file missing; the checkpoint is incomplete (copy it or re-save)")
         self.world_size = len(files)
         self._by_name = {s.name: s for s in self.specs}
+        self.segments: tuple[str, list | None] = ("", None)  # of the tensor read last
         self._open: dict[str, object] = {}
 
     def read(self, name: str, out: torch.Tensor | None = None) -> torch.Tensor:
         spec, chunks = self._by_name[name], self._chunks[name]
         out = torch.empty(spec.shape, dtype=spec.dtype) if out is None else out
-        for c in chunks:
+        segments = []
+        for c in sorted(chunks, key=lambda c: c.offsets):
             dest = out[tuple(slice(o, o + s) for o, s in zip(c.offsets, c.sizes))]
-            self._read_chunk(c, dest, f"{self.folder}/{c.info.relative_path} ({MODEL_PREFIX}{name})")
+            seg = self._read_chunk(c, dest, f"{self.folder}/{c.info.relative_path} ({MODEL_PREFIX}{name})")
+            slab = all(o == 0 for o in c.offsets[1:]) and tuple(c.sizes[1:]) == tuple(spec.shape[1:])
+            segments = segments if segments is None or seg is None or not slab else segments + [seg]
+        self.segments = (name, segments)
         return out
 
     def _file(self, rel: str):
@@ -151,7 +156,8 @@ class DCPReader:
             self._open[rel] = open_read(self.fs, f"{self.folder}/{rel}")
         return self._open[rel]
 
-    def _read_chunk(self, c: _Chunk, dest: torch.Tensor, where: str) -> None:
+    def _read_chunk(self, c: _Chunk, dest: torch.Tensor, where: str) -> tuple[int, int, int] | None:
+        """Fill `dest`; returns where its raw bytes lie, (fd, offset, length), when on local disk."""
         f = self._file(c.info.relative_path)
         window = _Slice(f, c.info.offset, c.info.length)
         try:
@@ -169,9 +175,11 @@ class DCPReader:
         if plain and record is not None and dest.is_contiguous():
             window.seek(record)
             read_into(window, dest, where)
-            return
+            fileno = getattr(f, "fileno", None) if isinstance(f, io.FileIO) else None
+            return (fileno(), c.info.offset + record, dest.numel() * dest.itemsize) if fileno else None
         window.seek(0)  # a view-saved or strided chunk: let torch rebuild it, then copy
         dest.copy_(torch.load(window, map_location="cpu", weights_only=True))
+        return None
 
     def close(self) -> None:
         for f in self._open.values():

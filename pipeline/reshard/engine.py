@@ -50,7 +50,8 @@ def _stream(source, sink, specs, pipe: HashPipe | None = None, capacity: int | N
                 t = ring.take(spec.shape, spec.dtype)
                 if t is None:
                     return
-                q.put((spec, source.read(spec.name, t)))
+                t = source.read(spec.name, t)
+                q.put((spec, t, source.segments(spec.name)))
             q.put(None)
         except BaseException as e:  # noqa: BLE001 - handed to the writer thread, which raises it
             q.put(e)
@@ -65,8 +66,8 @@ def _stream(source, sink, specs, pipe: HashPipe | None = None, capacity: int | N
                 break
             if isinstance(item, BaseException):
                 raise item
-            spec, tensor = item
-            sink.write(spec, tensor)
+            spec, tensor, segments = item
+            sink.write(spec, tensor, segments)
             if pipe is not None:
                 pipe.drain()  # the checksum thread is done with this tensor's memory
             del tensor, item

@@ -93,11 +93,16 @@ class SafetensorsWriter:
         out.write(struct.pack("<Q", len(raw)) + raw)
         self._next = 0
 
-    def write(self, name: str, t: torch.Tensor) -> None:
+    def write(self, name: str, t: torch.Tensor, segments: list | None = None) -> None:
+        """Append tensor `name`; `segments` (fd, offset, length) say where its exact bytes already
+        lie on local disk, so they can be copied in the kernel."""
         want, shape, dtype, nbytes = self._order[self._next]
         if name != want or tuple(t.shape) != shape or t.dtype != dtype:
             raise RuntimeError(f"{self.out.path}: expected {want} {list(shape)} {dtype}, got {name} {list(t.shape)} {t.dtype}")
-        self.out.write(tensor_bytes(t.contiguous()), stable=True)
+        if segments:
+            self.out.copy_from(segments, tensor_bytes(t))
+        else:
+            self.out.write(tensor_bytes(t.contiguous()), stable=True)
         self._next += 1
 
     @property

@@ -20,7 +20,7 @@ import torch
 
 from .arch import Architecture
 from .dcp_io import DCPWriter
-from .files import HashPipe, OutFile
+from .files import HashPipe, OutFile, slice_segments
 from .layout import DCP_DIR, HF_INDEX, HF_META_DIR, HF_SINGLE, META, ST_CODES, Format, TensorSpec, hf_shard_name, tp_rank_name
 from .safetensors_io import SafetensorsWriter
 
@@ -50,7 +50,8 @@ class Sink:
         for name, path in sorted(meta_files.items()):
             self.put(prefix + name, fs_src.cat_file(path))
 
-    def write(self, spec: TensorSpec, t: torch.Tensor) -> None:
+    def write(self, spec: TensorSpec, t: torch.Tensor, segments: list | None = None) -> None:
+        """Write the whole tensor `spec`; `segments` locate its bytes in local source files."""
         raise NotImplementedError
 
     def finish(self) -> None:
@@ -86,14 +87,14 @@ class HFSink(Sink):
             "tensors": {s.name: {"file": self._file_of[s.name], "shape": list(s.shape), "dtype": ST_CODES[s.dtype]} for s in specs}
         }
 
-    def write(self, spec: TensorSpec, t: torch.Tensor) -> None:
+    def write(self, spec: TensorSpec, t: torch.Tensor, segments: list | None = None) -> None:
         if self._current is None:
             name, group = self._groups[self._next_group]
             self._next_group += 1
             f = self._new(name)
             self._current = (name, f, SafetensorsWriter(f, [(s.name, s.shape, s.dtype) for s in group]))
         name, f, w = self._current
-        w.write(spec.name, t)
+        w.write(spec.name, t, segments)
         if w.done:
             self._commit(name, f)
             self._current = None
@@ -133,10 +134,16 @@ class TPSink(Sink):
             },
         }
 
-    def write(self, spec: TensorSpec, t: torch.Tensor) -> None:
+    def write(self, spec: TensorSpec, t: torch.Tensor, segments: list | None = None) -> None:
+        row = t.nbytes // t.shape[0] if t.dim() else 0
         for p, (_, _, w) in zip(self._pieces[spec.name], self._writers):
-            part = t if p.dim is None else t.narrow(p.dim, p.start, p.stop - p.start)
-            w.write(spec.name, part)  # the writer copies only non-contiguous (row-parallel) slices
+            if p.dim is None:
+                w.write(spec.name, t, segments)
+            elif p.dim == 0:  # a contiguous run of rows: a contiguous run of the source bytes
+                part = t.narrow(0, p.start, p.stop - p.start)
+                w.write(spec.name, part, segments and slice_segments(segments, p.start * row, p.stop * row))
+            else:
+                w.write(spec.name, t.narrow(p.dim, p.start, p.stop - p.start))  # gathered in memory
 
     def finish(self) -> None:
         for name, f, _ in self._writers:
@@ -150,7 +157,7 @@ class DCPSink(Sink):
         self.writer = DCPWriter(fs, f"{root}/{DCP_DIR}", n, save_id)
         self.manifest_fields = {"world_size": n}
 
-    def write(self, spec: TensorSpec, t: torch.Tensor) -> None:
+    def write(self, spec: TensorSpec, t: torch.Tensor, segments: list | None = None) -> None:
         self.writer.write(spec, t)
 
     def finish(self) -> None:

@@ -8,6 +8,7 @@ trainer checkpoint (`dcp/`, `hf/`); a folder with safetensors weights is a Huggi
 
 from __future__ import annotations
 
+import io
 import json
 
 import torch
@@ -71,6 +72,11 @@ class Source:
         """The whole tensor `name`, filled into `out` (contiguous, its shape and dtype) if given."""
         raise NotImplementedError
 
+    def segments(self, name: str) -> list[tuple[int, int, int]] | None:
+        """Where the bytes of tensor `name` (as just read) lie in local files, in order:
+        (fd, offset, length). None when they are not one plain run of local bytes."""
+        return None
+
     def close(self) -> None:
         for f in self._handles.values():
             f.close()
@@ -109,6 +115,11 @@ class HFSource(Source):
     def read(self, name: str, out: torch.Tensor | None = None) -> torch.Tensor:
         path, entry = self._where[name]
         return read_tensor(self._file(path), entry, path, out)
+
+    def segments(self, name: str) -> list[tuple[int, int, int]] | None:
+        path, entry = self._where[name]
+        f = self._file(path)
+        return [(f.fileno(), entry.begin, entry.end - entry.begin)] if isinstance(f, io.FileIO) else None
 
 
 class TPSource(Source):
@@ -177,6 +188,10 @@ class DCPSource(Source):
 
     def read(self, name: str, out: torch.Tensor | None = None) -> torch.Tensor:
         return self.reader.read(name, out)
+
+    def segments(self, name: str) -> list[tuple[int, int, int]] | None:
+        last, segments = self.reader.segments
+        return segments if last == name and segments else None
 
     def close(self) -> None:
         self.reader.close()

@@ -113,11 +113,11 @@ def test_a_failure_while_writing_leaves_no_output(tiny, tmp_path, monkeypatch):
     calls = {"n": 0}
     real = sinks.SafetensorsWriter.write
 
-    def failing(self, name, t):
+    def failing(self, name, t, *rest):
         calls["n"] += 1
         if calls["n"] == 10:
             raise OSError("disk full")
-        return real(self, name, t)
+        return real(self, name, t, *rest)
 
     monkeypatch.setattr(sinks.SafetensorsWriter, "write", failing)
     with pytest.raises(OSError, match="disk full"):

@@ -136,8 +136,11 @@ def test_tensors_in_flight_stay_within_the_ring_and_are_never_overwritten_while_
             out.fill_(float(i))
             return out
 
+        def segments(self, name):
+            return None
+
     class Sink:
-        def write(self, spec, t):
+        def write(self, spec, t, segments):
             time.sleep(0.0002 * (int(spec.name[1:]) % 3))  # let the reader run ahead and wrap around
             assert bool((t == float(spec.name[1:])).all()), spec.name  # not overwritten by a later read
             held["now"] -= spec.nbytes
@@ -146,3 +149,24 @@ def test_tensors_in_flight_stay_within_the_ring_and_are_never_overwritten_while_
     _stream(Source(), Sink(), specs, capacity=5120)
     assert held["checked"] == len(specs) and held["now"] == 0
     assert 4000 <= held["max"] <= 5120
+
+
+def test_local_bytes_pass_through_the_kernel_copy_and_still_match_their_checksums(tiny, trainer_ckpt, tmp_path,
+                                                                                  monkeypatch):
+    from pipeline.reshard import files
+
+    calls = {"n": 0}
+    real = files.os.copy_file_range
+
+    def counting(*a, **k):
+        calls["n"] += 1
+        return real(*a, **k)
+
+    monkeypatch.setattr(files.os, "copy_file_range", counting)
+    reshard(trainer_ckpt, str(tmp_path / "hf"), to="hf")
+    from_dcp = calls["n"]
+    reshard(str(tmp_path / "hf"), str(tmp_path / "tp2"), to="tp:2")
+    assert from_dcp > 0 and calls["n"] > from_dcp
+    assert verify(str(tmp_path / "hf")).ok and verify(str(tmp_path / "tp2")).ok
+    state = load_state_dict(str(tmp_path / "hf"))
+    assert all(torch.equal(v, state[k]) for k, v in tiny[0].state_dict().items())
