@@ -80,6 +80,13 @@ class AirflowClient:
 
     def request(self, method: str, path: str, body: Any = None, ok: tuple[int, ...] = (200, 201, 204)) -> Any:
         code, out = self._raw(method, path, body, self.token())
+        # SQLite under several writers occasionally answers "database is locked" (HTTP 500):
+        # retry the idempotent methods a few times; a POST is never repeated.
+        for delay in (1, 2, 4):
+            if code < 500 or method not in ("GET", "PATCH", "PUT", "DELETE"):
+                break
+            time.sleep(delay)
+            code, out = self._raw(method, path, body, self.token())
         if code not in ok:
             raise AirflowError(f"{method} {path}: HTTP {code}: {out}")
         return out

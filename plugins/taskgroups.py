@@ -14,6 +14,7 @@ imported inside the task functions only: parsing a DAG file never loads torch or
 
 from __future__ import annotations
 
+import os
 from datetime import timedelta
 from airflow.sdk import Asset, task, task_group, teardown
 from airflow.sdk.exceptions import AirflowException
@@ -26,6 +27,9 @@ from plugins.sensors.run_dir import PhaseCheckpointSensor, ReplayGateSensor
 # two device-heavy tasks never share a device. Create it with slots = devices (`rlhf airflow up`
 # does for the local deployment).
 DEVICE_POOL = "rlhf_devices"
+# On CeleryExecutor deployments, device-heavy tasks go to the workers that own the accelerators
+# (docker/compose.yaml: RLHF_DEVICE_QUEUE=gpu); unset, they use the executor's default queue.
+DEVICE_QUEUE = os.environ.get("RLHF_DEVICE_QUEUE") or None
 RUN_TIMEOUT = timedelta(hours=12)
 PROCESS_RETRIES = 2
 SENSOR_RETRIES = 2
@@ -97,7 +101,8 @@ def training_run(dag_id: str, prepared, *, poke_interval: float = 5.0) -> dict:
     """Wire sampler, trainer, phases, replay gates, finalize and the teardown after `prepared`
     (the multiple-output XCom of the prepare task: run_url, phases, replay_epochs)."""
     run_url = prepared["run_url"]
-    common = dict(pool=DEVICE_POOL, execution_timeout=RUN_TIMEOUT, retries=PROCESS_RETRIES,
+    device = {"pool": DEVICE_POOL, **({"queue": DEVICE_QUEUE} if DEVICE_QUEUE else {})}
+    common = dict(**device, execution_timeout=RUN_TIMEOUT, retries=PROCESS_RETRIES,
                   retry_delay=timedelta(seconds=10))
     sampler = RlhfProcessOperator(task_id="sampler", role="sampler", run_url=run_url, **common)
     trainer = RlhfProcessOperator(task_id="trainer", role="trainer", run_url=run_url, **common)
@@ -108,7 +113,7 @@ def training_run(dag_id: str, prepared, *, poke_interval: float = 5.0) -> dict:
         timeout=RUN_TIMEOUT.total_seconds(), retries=SENSOR_RETRIES, retry_delay=timedelta(seconds=5),
     ).expand(epoch=plan_replay_epochs(prepared["replay_epochs"]))
     finalize = FinalizeRunOperator(task_id="finalize", run_url=run_url, outlets=[policy_asset(dag_id)],
-                                   pool=DEVICE_POOL, execution_timeout=timedelta(hours=2), retries=1,
+                                   **device, execution_timeout=timedelta(hours=2), retries=1,
                                    retry_delay=timedelta(seconds=10))
     # A fresh teardown per DAG: the decorator keeps state between calls.
     stop = teardown(task(task_id="stop_sampler")(_stop_sampler))(run_url)

@@ -6,8 +6,10 @@ One deployment serves the whole module; the runs are tiny (the built-in sort tas
 
 import json
 import os
+import shutil
 import signal
 import socket
+import tempfile
 import time
 from datetime import date, timedelta
 from pathlib import Path
@@ -55,12 +57,17 @@ def engine_pids(role: str, run_url: str) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def deployment(tmp_path_factory):
+def deployment():
     from pipeline.data import write_rows
     from pipeline.example import ensure_example
     from pipeline.tasks import make_rows
 
-    tmp = tmp_path_factory.mktemp("e2e")
+    # Not under pytest's basetemp: pytest removes old basetemps of *other* sessions on this machine,
+    # which would delete the metadata DB of a deployment that outlives them.
+    tmp = Path(tempfile.mkdtemp(prefix="rlhf-airflow-e2e-"))
+    cache = Path(tempfile.gettempdir()) / "rlhf-airflow-e2e-cache"
+    previous_cache = os.environ.get("RLHF_CACHE")
+    os.environ["RLHF_CACHE"] = str(cache)
     ensure_example("sort", 0)  # build the tiny model once, before the components compete for the cores
     dates = last_sundays(2)
     for i, day in enumerate(dates):
@@ -75,6 +82,12 @@ def deployment(tmp_path_factory):
         yield {"af": af, "client": client, "tmp": tmp, "dates": dates}
     finally:
         af.down()
+        if previous_cache is None:
+            os.environ.pop("RLHF_CACHE", None)
+        else:
+            os.environ["RLHF_CACHE"] = previous_cache
+        if not os.environ.get("RLHF_KEEP_E2E"):
+            shutil.rmtree(tmp, ignore_errors=True)
 
 
 def tis_by_id(client: AirflowClient, dag_id: str, run_id: str) -> dict[str, list[dict]]:
