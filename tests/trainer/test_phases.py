@@ -1,0 +1,122 @@
+"""Phases, replay gates and the checkpoint layout, with a real trainer process on a pre-written buffer."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from pipeline.config import TrainerConfig
+from pipeline.policy import PolicyStore
+from pipeline.runs import RunDir
+from pipeline.trainer.checkpoint import checkpoint_dir, list_checkpoints, load_model_weights, prune
+from pipeline.trainer.phases import advance, phase_end_steps, replay_epoch_steps
+
+
+def test_phase_and_replay_schedules():
+    tc = TrainerConfig(steps=12, phases=3, replay_epochs=2)
+    assert phase_end_steps(tc) == {4: 0, 8: 1, 12: 2}
+    assert replay_epoch_steps(tc) == [6, 12]
+    assert replay_epoch_steps(TrainerConfig(steps=2, replay_epochs=4)) == [1, 1, 2, 2]
+    with pytest.raises(ValueError, match="trainer.phases=5 does not divide trainer.steps=12"):
+        TrainerConfig(steps=12, phases=5)
+
+
+def _wait(cond, timeout: float, what: str, proc=None):
+    t0 = time.time()
+    while not cond():
+        if proc is not None and proc.poll() is not None:
+            raise AssertionError(f"trainer exited ({proc.returncode}) while waiting for {what}:\n{proc.stderr.read()[-3000:]}")
+        if time.time() - t0 > timeout:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.2)
+
+
+@pytest.mark.integration
+def test_trainer_waits_for_the_replay_gate_then_replays_and_phases_reach_the_sampler(tmp_path):
+    import test_resume as tr
+
+    tr_config = {**tr.CONFIG, "trainer": {**tr.CONFIG["trainer"], "steps": 4, "phases": 2, "replay_epochs": 1,
+                                          "checkpoint_every": 0, "sync_every": 1},
+                 "buffer": {"num_epochs_per_sample": 1}}
+    url = tr.make_run(tmp_path / "run", tr_config)
+    run = RunDir(url)
+    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+    proc = subprocess.Popen([sys.executable, "-m", "pipeline", "trainer", "--run-dir", url], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        # replay epoch 0 is due after fresh step 4 (the last); its gate is closed: the trainer must wait
+        fresh = lambda: [r for r in run.read_metrics("trainer") if r.get("replay/is_replay") == 0]  # noqa: E731
+        _wait(lambda: len(fresh()) == 4, 120, "4 fresh steps", proc)
+        assert run.has_marker("phase_0.done") and not run.has_marker("phase_1.done")
+        assert PolicyStore(run).exists(1) and not PolicyStore(run).exists(2)  # in-phase publish, not the boundary
+        time.sleep(2.0)
+        assert proc.poll() is None and not any(r.get("replay/is_replay") for r in run.read_metrics("trainer"))
+        did = advance(run)  # the local runner's orchestration: reshard phase 0, open the gate
+        assert any("published policy v2" in d for d in did) and any("replay gate 0" in d for d in did)
+        _wait(lambda: run.has_marker("trainer_done"), 120, "the end of training", proc)
+        assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    replays = [r for r in run.read_metrics("trainer") if r.get("replay/is_replay") == 1]
+    assert replays and all(0 < r["replay/weight_mean"] <= 1 for r in replays)
+    from pipeline.buffer import ReplayBuffer
+
+    st = ReplayBuffer(run.buffer_url, run.config().buffer).refresh()
+    replayed = [g for g in st.l2_groups.values() if g.replays > 0]
+    assert len(replayed) >= run.config().trainer.groups_per_step  # priorities and replay counts written back
+    assert any(g.priority != 1.0 for g in replayed)
+    # the last phase's checkpoint reaches the sampler through the reshard path, with its exact weights
+    advance(run)
+    store = PolicyStore(run)
+    assert store.exists(4)
+    from safetensors.torch import load_file
+
+    published = load_file(os.path.join(store.local_dir(4), "model.safetensors"))
+    ck = [c for c in list_checkpoints(run) if c.step == 4][0]
+    assert ck.meta == {"step": 4, "world_size": 1, "policy_version": 4, "format": "dcp", "kind": "phase"}
+    saved = load_model_weights(ck.url)
+    assert all(torch.equal(published[k], saved[k]) for k in saved)
+
+
+def test_checkpoint_layout_is_what_the_reshard_reader_expects(tmp_path):
+    import test_resume as tr
+
+    url = tr.make_run(tmp_path / "run")
+    tr.trainer(url)
+    run = RunDir(url)
+    ck = list_checkpoints(run)[-1]
+    names = set(os.listdir(ck.path))
+    assert names == {"dcp", "hf", "meta.json"}
+    assert "config.json" in os.listdir(f"{ck.path}/hf") and not any(n.endswith(".safetensors") for n in os.listdir(f"{ck.path}/hf"))
+    weights = load_model_weights(ck.url)
+    assert "lm_head.weight" in weights and "model.embed_tokens.weight" in weights
+    try:
+        from pipeline.reshard.sources import open_source
+    except ImportError:
+        pytest.skip("pipeline.reshard is not installed in this tree")
+    src = open_source(ck.url)
+    try:
+        assert {s.name for s in src.specs} == set(weights)
+        assert torch.equal(src.read("lm_head.weight"), weights["lm_head.weight"])
+    finally:
+        src.close()
+
+
+def test_incomplete_checkpoints_are_invisible_and_retention_keeps_phase_checkpoints(tmp_path):
+    run = RunDir(str(tmp_path / "r1"))
+    for step, kind in [(2, "phase"), (4, "periodic"), (6, "periodic"), (8, "periodic")]:
+        d = checkpoint_dir(run, step)
+        os.makedirs(f"{d}/dcp")
+        run.write_json(f"checkpoints/step_{step}/meta.json", {"step": step, "kind": kind})
+    os.makedirs(f"{checkpoint_dir(run, 10)}/dcp")  # killed while saving: no meta.json
+    assert [c.step for c in list_checkpoints(run)] == [2, 4, 6, 8]
+    prune(run, keep=2)
+    assert [c.step for c in list_checkpoints(run)] == [2, 6, 8]
+    assert os.path.isdir(checkpoint_dir(run, 10))  # newer than every complete one: may still be in progress

@@ -1,0 +1,148 @@
+"""Resume equivalence and FSDP2: real trainer processes fed from a pre-written buffer.
+
+N = 3 steps, SIGKILL (the trainer kills itself right after step N + 1, i.e. after it trained on
+and consumed fresh data that no checkpoint holds), restart on the same run directory, N more
+steps: the parameters equal those of 2N uninterrupted steps. Run alone with `pytest -k resume`.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+import torch
+from trainer_rollouts import synthetic_shard
+
+from pipeline.buffer import ReplayBuffer
+from pipeline.config import parse_config
+from pipeline.models import load_tokenizer
+from pipeline.policy import PolicyStore
+from pipeline.runner import prepare
+from pipeline.trainer.checkpoint import list_checkpoints, load_model_weights
+from pipeline.trainer.loop import FAULT_ENV
+
+N = 3
+GROUPS, GROUP_SIZE = 4, 4
+
+CONFIG = {
+    "seed": 0,
+    "model": {"path": "builtin:digit"},
+    "data": {"train": "builtin:digit", "eval": "builtin:digit", "eval_size": 8},
+    "reward": {"fn": "digit"},
+    "sampler": {"group_size": GROUP_SIZE, "prompts_per_batch": GROUPS, "poll_s": 0.05},
+    "trainer": {"steps": 2 * N, "groups_per_step": GROUPS, "checkpoint_every": N, "sync_every": 100,
+                "lr": 3e-3, "micro_batch_tokens": 64, "wait_timeout_s": 60},
+}
+
+
+def make_run(path, config: dict | None = None) -> str:
+    """A prepared run directory whose L1 already holds every step's groups, in a fixed order."""
+    run = prepare(parse_config(config or CONFIG), run_url=str(path))
+    tok = load_tokenizer(PolicyStore(run).local_dir(0))
+    prompts = [tok(f"digits {i}: ", add_special_tokens=False)["input_ids"] for i in range(8)]
+    buf = ReplayBuffer(run.buffer_url, run.config().buffer)
+    with buf.writer("test") as w:
+        for shard in range(2 * N + 1):
+            w.write(synthetic_shard(tok, prompts, shard, GROUPS, GROUP_SIZE, seed=0))
+    return run.url
+
+
+def trainer(run_url: str, nproc: int = 1, kill_after: int | None = None) -> int:
+    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+    env.pop(FAULT_ENV, None)
+    if kill_after is not None:
+        env[FAULT_ENV] = str(kill_after)
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"] \
+        if nproc > 1 else [sys.executable]
+    proc = subprocess.run([*launcher, "-m", "pipeline", "trainer", "--run-dir", run_url], env=env,
+                          capture_output=True, text=True, timeout=300)
+    if kill_after is None and proc.returncode != 0:
+        raise AssertionError(f"trainer failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+    return proc.returncode
+
+
+def final_weights(run_url: str) -> dict[str, torch.Tensor]:
+    from pipeline.runs import RunDir
+
+    cks = list_checkpoints(RunDir(run_url))
+    assert cks and cks[-1].step == 2 * N, [c.step for c in cks]
+    return load_model_weights(cks[-1].url)
+
+
+def assert_same(a: dict, b: dict, atol: float) -> None:
+    assert a.keys() == b.keys()
+    worst = max((a[k] - b[k]).abs().max().item() for k in a)
+    assert worst <= atol, f"max parameter difference {worst:.3g} > {atol}"
+
+
+def moved(a: dict, run_url: str) -> float:
+    """Largest parameter change from policy v0 (the test must not compare two untrained models)."""
+    from safetensors.torch import load_file
+
+    from pipeline.runs import RunDir
+
+    v0 = load_file(os.path.join(PolicyStore(RunDir(run_url)).local_dir(0), "model.safetensors"))
+    return max((a[k] - v0[k]).abs().max().item() for k in a)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """2N steps without interruption, one process and two (FSDP2), computed once per module."""
+    root = tmp_path_factory.mktemp("uninterrupted")
+    out = {}
+
+    def get(nproc: int) -> dict:
+        if nproc not in out:
+            url = make_run(root / f"run-np{nproc}")
+            trainer(url, nproc)
+            out[nproc] = final_weights(url)
+        return out[nproc]
+
+    return get
+
+
+def _killed_then_resumed(tmp_path, nproc: int, resume_nproc: int) -> tuple[str, dict]:
+    url = make_run(tmp_path / "run")
+    rc = trainer(url, nproc, kill_after=N + 1)
+    assert rc != 0, "the trainer should have been killed"
+    if nproc == 1:
+        assert rc == -signal.SIGKILL
+    from pipeline.runs import RunDir
+
+    run = RunDir(url)
+    assert [c.step for c in list_checkpoints(run)] == [N]
+    assert not run.has_marker("trainer_done")
+    trainer(url, resume_nproc)
+    steps = [r["step"] for r in run.read_metrics("trainer") if "step" in r]
+    assert steps == list(range(1, 2 * N + 1)), steps  # no step skipped, none counted twice
+    return url, final_weights(url)
+
+
+def test_resume_after_sigkill_equals_uninterrupted_single_process(tmp_path, uninterrupted):
+    url, resumed = _killed_then_resumed(tmp_path, 1, 1)
+    ref = uninterrupted(1)
+    assert moved(ref, url) > 1e-3
+    assert_same(resumed, ref, atol=1e-6)
+
+
+@pytest.mark.integration
+def test_resume_after_sigkill_equals_uninterrupted_torchrun_two_processes(tmp_path, uninterrupted):
+    _, resumed = _killed_then_resumed(tmp_path, 2, 2)
+    assert_same(resumed, uninterrupted(2), atol=1e-5)
+
+
+@pytest.mark.integration
+def test_resume_at_a_different_world_size(tmp_path, uninterrupted):
+    """Checkpoint written by 2 FSDP2 ranks, resumed by 1 process."""
+    _, resumed = _killed_then_resumed(tmp_path, 2, 1)
+    assert_same(resumed, uninterrupted(1), atol=1e-4)
+
+
+@pytest.mark.integration
+def test_two_process_fsdp_run_makes_the_same_updates_as_one_process(uninterrupted):
+    """Same data, same config: FSDP2 over 2 CPU processes learns exactly what 1 process learns."""
+    one, two = uninterrupted(1), uninterrupted(2)
+    assert_same(two, one, atol=1e-4)
