@@ -70,10 +70,14 @@ def _status(dag_id: str, run_id: str, locate: RunLocator) -> dict:
     run_url = locate(dag_id, run_id)
     if not run_url:
         raise HTTPException(status_code=404, detail=f"run {run_id!r} of {dag_id!r} has no run directory yet")
+    from pipeline.config import ConfigError
+
     try:
         status = RunDirHook(run_url).status()
     except FileNotFoundError as e:
         raise HTTPException(status_code=404, detail=f"run directory {run_url} is incomplete: {e}") from None
+    except ConfigError as e:  # e.g. a run created by an older engine version
+        raise HTTPException(status_code=409, detail=f"run directory {run_url}: {e}") from None
     return {"dag_id": dag_id, "dag_run_id": run_id, **status}
 
 

@@ -14,11 +14,12 @@ from airflow.sdk import BaseHook
 
 STOP_MARKER = "stop"
 TRAINER_DONE_MARKER = "trainer_done"
-# Metric keys plotted by the dashboard, per stream; any other numeric key is kept in `extra`.
-CURVE_KEYS = {
-    "trainer": ("reward/mean", "eval/score", "eval/acc", "actor/loss", "actor/kl", "perf/tokens_per_s",
-                "staleness/mean", "staleness/max", "replay/fraction"),
-    "sampler": ("reward/mean", "perf/tokens_per_s", "staleness/mean", "sampler/policy_version"),
+# Metric keys plotted by the dashboard: (x key, y keys) per kind of metrics stream.
+CURVES = {
+    "trainer": ("step", ("reward/mean", "reward/std", "actor/loss", "actor/entropy", "perf/tokens_per_s",
+                         "staleness/mean", "staleness/max", "replay/fraction")),
+    "sampler": ("sampler/batch", ("reward/mean", "perf/gen_tokens_per_s", "sampler/policy_version",
+                                  "sampler/reload_ms")),
 }
 MAX_POINTS = 400
 
@@ -33,7 +34,7 @@ def replay_gate_marker(epoch: int) -> str:
     return f"replay_gate_{int(epoch)}.open"
 
 
-def _downsample(points: list[dict], limit: int = MAX_POINTS) -> list[dict]:
+def _downsample(points: list, limit: int = MAX_POINTS) -> list:
     if len(points) <= limit:
         return points
     stride = len(points) / limit
@@ -93,13 +94,33 @@ class RunDirHook(BaseHook):
 
     # dashboard -------------------------------------------------------------------------------
     def curves(self, stream: str) -> dict[str, list[list[float]]]:
-        """{metric: [[step, value], ...]} for the plotted keys of a metrics stream."""
+        """{metric: [[x, value], ...]} for the plotted keys of one metrics stream."""
+        kind = "sampler" if stream.startswith("sampler") else stream
+        if kind not in CURVES:
+            return {}
+        x_key, y_keys = CURVES[kind]
+        records = [r for r in self.run.read_metrics(stream) if isinstance(r.get(x_key), (int, float))]
         out: dict[str, list[list[float]]] = {}
-        records = [r for r in self.run.read_metrics(stream) if isinstance(r.get("step"), (int, float))]
-        for key in CURVE_KEYS.get(stream, ()):
-            pts = [{"s": r["step"], "v": r[key]} for r in records if isinstance(r.get(key), (int, float))]
+        for key in y_keys:
+            pts = [[r[x_key], r[key]] for r in records if isinstance(r.get(key), (int, float))]
             if pts:
-                out[key] = [[p["s"], p["v"]] for p in _downsample(pts)]
+                out[key] = _downsample(pts)
+        return out
+
+    def streams(self) -> list[str]:
+        from pipeline.storage import list_names
+
+        return [n[: -len(".jsonl")] for n in list_names(self.run.fs, self.run.path("metrics")) if n.endswith(".jsonl")]
+
+    def eval_curve(self) -> dict[str, list[list[float]]]:
+        """Held-out score and accuracy per evaluated policy version (eval.json of finalize)."""
+        evals = self.run.read_json("eval.json") or {}
+        out: dict[str, list[list[float]]] = {}
+        for version in sorted(evals, key=int):
+            for key in ("score", "acc"):
+                value = evals[version].get(key) if isinstance(evals[version], dict) else None
+                if isinstance(value, (int, float)):
+                    out.setdefault(f"eval/{key}", []).append([int(version), value])
         return out
 
     def phases(self) -> list[dict]:
@@ -126,7 +147,6 @@ class RunDirHook(BaseHook):
         cfg = run.config()
         policy = PolicyStore(run)
         latest = policy.latest()
-        trainer = self.curves("trainer")
         return {
             "run_id": run.run_id,
             "run_url": run.url,
@@ -144,6 +164,6 @@ class RunDirHook(BaseHook):
             "policy": {"latest": latest, "versions": policy.versions(),
                        "manifest": policy.manifest(latest) if latest is not None else None},
             "buffer": self.buffer_stats(),
-            "curves": {"trainer": trainer, "sampler": self.curves("sampler")},
+            "curves": {**{name: self.curves(name) for name in self.streams()}, "eval": self.eval_curve()},
             "summary": run.read_json("summary.json"),
         }
