@@ -159,6 +159,8 @@ class BufferConfig(_Section):
     shard_compression: Literal["zstd", "snappy", "none"] = "zstd"
     writer_queue: int = Field(8, gt=0)
     """Shards queued in the asynchronous writer before `write` blocks."""
+    fsync: bool = False
+    """fsync data files and log entries on local disk: commits survive a machine crash, at a disk flush each; off, files torn by a crash are quarantined."""
     checkpoint_interval: int = Field(50, gt=0)
     """Commit-log entries between state checkpoints; opening reads one checkpoint plus at most this many entries."""
     num_epochs_per_sample: int = Field(2, ge=0)

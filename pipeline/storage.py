@@ -50,29 +50,38 @@ def _local_tmp(path: str) -> str:
     return os.path.join(d, f".{name}.tmp-{uuid.uuid4().hex}")
 
 
-def put_atomic(fs: fsspec.AbstractFileSystem, path: str, data: bytes) -> None:
-    """Publish `data` at `path` so that readers never observe a partial object."""
+def put_atomic(fs: fsspec.AbstractFileSystem, path: str, data: bytes, fsync: bool = True) -> None:
+    """Publish `data` at `path` so that readers never observe a partial object. `fsync=False`
+    keeps the atomicity against killed processes but not against a machine crash (local disk)."""
     if is_local(fs):
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
         tmp = _local_tmp(path)
         with open(tmp, "wb") as f:
             f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
+            if fsync:
+                f.flush()
+                os.fsync(f.fileno())
         os.replace(tmp, path)
         return
     fs.pipe_file(path, data)
 
 
-def put_if_absent(fs: fsspec.AbstractFileSystem, path: str, data: bytes) -> bool:
-    """Create `path` with `data` only if it does not exist. Returns False if it already existed."""
+def put_if_absent(fs: fsspec.AbstractFileSystem, path: str, data: bytes, fsync: bool = True) -> bool:
+    """Create `path` with `data` only if it does not exist. Returns False if it already existed.
+    `fsync=False` keeps exclusivity and atomicity against killed processes, not against a
+    machine crash (local disk)."""
     if is_local(fs):
-        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
         tmp = _local_tmp(path)
-        with open(tmp, "wb") as f:
+        try:
+            f = open(tmp, "wb")
+        except FileNotFoundError:
+            os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+            f = open(tmp, "wb")
+        with f:
             f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
+            if fsync:
+                f.flush()
+                os.fsync(f.fileno())
         try:
             os.link(tmp, path)  # atomic and exclusive, also on NFS
             return True

@@ -72,7 +72,8 @@ class ReplayBuffer:
         self.fs, self.root = url_to_fs(url)
         self.url = to_url(self.fs, self.root)
         self._lock = threading.RLock()
-        self.log = CommitLog(self.fs, self.root, self.config.checkpoint_interval)
+        self.log = CommitLog(self.fs, self.root, self.config.checkpoint_interval,
+                             tombstone_retention_s=self.config.orphan_grace_s, fsync=self.config.fsync)
         self._cache: OrderedDict[str, pa.Table] = OrderedDict()
         self.evicted_unread_shards = 0  # L1 shards removed before this reader got to them
 
@@ -230,7 +231,7 @@ class ReplayBuffer:
                                      pa.array(["l2"] * sub.num_rows, pa.string()))
                 data = encode(sub, cfg.shard_compression)
                 rel = new_shard_path("l2", "promote")
-                write_shard(self.fs, self.root, rel, data)
+                write_shard(self.fs, self.root, rel, data, fsync=cfg.fsync)
                 groups, start = [], 0
                 for g in fresh_keys:
                     groups.append([g.key, start, g.count, g.ghash, prio0])

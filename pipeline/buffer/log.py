@@ -50,8 +50,13 @@ def checkpoint_name(version: int) -> str:
 class CommitLog:
     """One process's view of the log: the replayed state and the means to append to it."""
 
-    def __init__(self, fs, root: str, checkpoint_interval: int = 50, writer: str = ""):
+    def __init__(self, fs, root: str, checkpoint_interval: int = 50, writer: str = "",
+                 tombstone_retention_s: float = 3600.0, fsync: bool = True):
         self.fs = fs
+        self.fsync = fsync
+        # gc needs a removed file's removal time only until the grace period has passed: after
+        # that its modification time (never later than its removal) is just as safe to go by
+        self.tombstone_retention_s = tombstone_retention_s
         self.root = root
         self.dir = join(root, LOG_DIR)
         self.checkpoint_interval = checkpoint_interval
@@ -104,7 +109,16 @@ class CommitLog:
         except FileNotFoundError:
             return None
         self.files_read += 1
-        doc = json.loads(raw)
+        try:
+            doc = json.loads(raw)
+        except ValueError as e:
+            # Only a machine crash without fsync can leave a torn entry (a complete file is linked
+            # into place, never written in place). Its number is taken for good, so it counts as an
+            # empty commit; the shards it named become orphans. Recorded, and reported by verify.
+            reason = f"torn commit-log entry ({e}); its shards are lost"
+            log.error("buffer log %s/%s: %s", self.dir, entry_name(version), reason)
+            return {"v": version, "actions": [{"op": "quarantine", "path": f"{LOG_DIR}/{entry_name(version)}",
+                                              "reason": reason}]}
         self._check_format(doc, entry_name(version))
         return doc
 
@@ -181,7 +195,7 @@ class CommitLog:
             v = self.state.version + 1
             doc = {"format": LOG_FORMAT, "v": v, "txn": txn, "time": time.time(), "writer": self.writer,
                    "actions": actions}
-            if put_if_absent(self.fs, join(self.dir, entry_name(v)), json.dumps(doc).encode()):
+            if put_if_absent(self.fs, join(self.dir, entry_name(v)), json.dumps(doc).encode(), self.fsync):
                 self.state.apply(v, doc)
                 self._maybe_checkpoint(v)
                 return v
@@ -204,7 +218,7 @@ class CommitLog:
         while True:
             doc = {"format": LOG_FORMAT, "v": v, "txn": uuid.uuid4().hex, "time": time.time(),
                    "writer": self.writer, "actions": actions}
-            if put_if_absent(self.fs, join(self.dir, entry_name(v)), json.dumps(doc).encode()):
+            if put_if_absent(self.fs, join(self.dir, entry_name(v)), json.dumps(doc).encode(), self.fsync):
                 break
             misses += 1
             if misses % _BLIND_TRIES == 0:
@@ -224,14 +238,14 @@ class CommitLog:
         if self.checkpoint_interval and version % self.checkpoint_interval == 0:
             self.write_checkpoint()
 
-    def write_checkpoint(self, tombstone_retention_s: float | None = 7 * 86400) -> int:
+    def write_checkpoint(self) -> int:
         """Serialise the current state; any process may do it (create-only, same content)."""
         v = self.state.version
         doc = {"format": LOG_FORMAT, "v": v, "time": time.time(),
-               "state": self.state.to_json(tombstone_retention_s)}
-        put_if_absent(self.fs, join(self.dir, checkpoint_name(v)), json.dumps(doc).encode())
+               "state": self.state.to_json(self.tombstone_retention_s)}
+        put_if_absent(self.fs, join(self.dir, checkpoint_name(v)), json.dumps(doc).encode(), self.fsync)
         if self._read_pointer() < v:  # a racing older pointer is harmless: opening just reads more
-            put_atomic(self.fs, join(self.dir, POINTER), json.dumps({"v": v}).encode())
+            put_atomic(self.fs, join(self.dir, POINTER), json.dumps({"v": v}).encode(), fsync=self.fsync)
         return v
 
     # maintenance ------------------------------------------------------------------------------

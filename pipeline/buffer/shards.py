@@ -9,6 +9,7 @@ scanning ids. Decoding checks the schema version first: a newer version is a har
 from __future__ import annotations
 
 import io
+import os
 import re
 import uuid
 
@@ -39,6 +40,8 @@ def validate_writer_id(writer_id: str) -> str:
 def conform(table: pa.Table) -> pa.Table:
     """`table` in exactly ROLLOUT_SCHEMA (column order, types, metadata) or a ValueError naming the
     columns that differ."""
+    if table.schema.equals(ROLLOUT_SCHEMA) and table.schema.metadata == ROLLOUT_SCHEMA.metadata:
+        return table  # the common case: built by schema.to_table or read from a shard
     missing = [f.name for f in ROLLOUT_SCHEMA if f.name not in table.schema.names]
     extra = [n for n in table.schema.names if n not in ROLLOUT_SCHEMA.names]
     if missing or extra:
@@ -78,9 +81,28 @@ def new_shard_path(tier: str, writer_id: str) -> str:
     return f"{tier}/{writer_id}-{uuid.uuid4().hex}.parquet"
 
 
-def write_shard(fs, root: str, rel: str, data: bytes) -> None:
-    """Publish an immutable data file (atomic; still invisible to readers until committed)."""
-    put_atomic(fs, join(root, rel), data)
+def write_shard(fs, root: str, rel: str, data: bytes, fsync: bool = False) -> None:
+    """Write an immutable data file under a new unique name.
+
+    No temporary file and rename: nobody reads a data file before a log entry names it, and that
+    entry is written only after this returns, so a writer killed half-way leaves an orphan for gc,
+    never a visible partial shard. Without fsync a machine crash (not a killed process) can leave
+    a committed shard torn on a local disk; readers then quarantine it. The log entry that commits
+    it is always fsynced."""
+    path = join(root, rel)
+    if not is_local(fs):
+        put_atomic(fs, path, data)
+        return
+    try:
+        f = open(path, "xb")  # names are unique: an existing file is a bug, not a race
+    except FileNotFoundError:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        f = open(path, "xb")
+    with f:
+        f.write(data)
+        if fsync:
+            f.flush()
+            os.fsync(f.fileno())
 
 
 def policy_range(table: pa.Table) -> tuple[int, int]:

@@ -87,6 +87,7 @@ def verify(buf: "ReplayBuffer") -> dict:
     ptr = buf.log._read_pointer()
     if ptr and ptr > st.version:
         problems.append(f"{buf.log.dir}/{POINTER}: names checkpoint {ptr}, past the last entry {st.version}")
+    problems += [f"{join(buf.root, p)}: {why}" for p, why in st.quarantined.items() if p.startswith(LOG_DIR)]
     checked = 0
     for info in list(st.shards.values()):
         path = join(buf.root, info.path)

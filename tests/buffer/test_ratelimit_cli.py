@@ -1,14 +1,19 @@
 """Flow control for the sampler, and the `rlhf buffer` commands."""
 
+import argparse
 import json
+import os
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 from rollout_factory import make_groups
 
 from pipeline.buffer import ReplayBuffer
-from pipeline.cli import main as rlhf
+from pipeline.buffer.cli import add_parser
 from pipeline.config import BufferConfig
 
 
@@ -65,6 +70,14 @@ def test_wait_to_insert_returns_once_allowed_and_times_out_with_the_reason(buffe
     assert lim.blocked_by(2) is None and waited < 10
 
 
+def rlhf(argv: list[str]) -> int:
+    """`rlhf buffer ...` through the command group's own parser (the full CLI imports the engine)."""
+    parser = argparse.ArgumentParser(prog="rlhf")
+    add_parser(parser.add_subparsers(dest="cmd", required=True))
+    args = parser.parse_args(argv)
+    return args.fn(args)
+
+
 def test_cli_stats_verify_compact_gc(tmp_path, capsys):
     url = str(tmp_path / "buffer")
     buf = ReplayBuffer(url)
@@ -83,3 +96,20 @@ def test_cli_stats_verify_compact_gc(tmp_path, capsys):
     (tmp_path / "buffer" / l3).write_bytes(b"garbage")
     assert rlhf(["buffer", "verify", url]) == 1
     assert l3 in capsys.readouterr().err
+
+
+@pytest.mark.integration
+def test_rlhf_console_runs_buffer_commands(tmp_path):
+    url = str(tmp_path / "run-1" / "buffer")
+    _write(ReplayBuffer(url), 2)
+    root = str(Path(__file__).resolve().parents[2])
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    out = subprocess.run([sys.executable, "-m", "pipeline", "buffer", "stats", url], cwd=root, env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["tiers"]["l1"]["shards"] == 2
+    shard = ReplayBuffer(url).refresh().tier_shards("l1")[0].path
+    (tmp_path / "run-1" / "buffer" / shard).write_bytes(b"x")
+    out = subprocess.run([sys.executable, "-m", "pipeline", "buffer", "verify", url], cwd=root, env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1 and shard in out.stderr
