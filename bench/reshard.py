@@ -12,8 +12,11 @@ Builds a synthetic trainer checkpoint (dcp:2 layout) with the real Qwen2-0.5B sh
     hf->tp:2  reshard of that folder to tp:2, in a child process
 
 Reshard times are the `reshard()` call inside the child (not interpreter start-up); peak RSS is the
-child's ru_maxrss (so it includes the ~250 MB of the imported libraries). With --repeat > 1 the
-three are interleaved and each keeps its fastest time. Prints one JSON line; deletes its files.
+child's ru_maxrss (so it includes the ~270 MB of the imported libraries). CPU seconds of each
+step and the load average are printed too: on a shared machine the wall-clock ratio mostly says how
+much CPU each step needs (the reshard also computes sha256 of every byte it writes; cp does not). With --repeat > 1 the
+three are interleaved and each keeps its fastest time. Every step starts after a `sync`, so none
+inherits the dirty pages of the one before. Prints one JSON line; deletes its files.
 """
 
 from __future__ import annotations
@@ -88,11 +91,16 @@ def run_child(src: str, dst: str, to: str) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def timed_copy(src: str, dst: str) -> tuple[float, float]:
-    """(seconds for cp -r, seconds for cp -r plus fsync of every copied file)."""
+def timed_copy(src: str, dst: str) -> tuple[float, float, float]:
+    """(seconds for cp -r, seconds for cp -r plus fsync of every copied file, CPU seconds of cp)."""
+    import resource
+
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.perf_counter()
     subprocess.run(["cp", "-r", src, dst], check=True)
     t1 = time.perf_counter()
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
     for dirpath, _, names in os.walk(dst):
         for n in names:
             fd = os.open(os.path.join(dirpath, n), os.O_RDONLY)
@@ -100,7 +108,7 @@ def timed_copy(src: str, dst: str) -> tuple[float, float]:
                 os.fsync(fd)
             finally:
                 os.close(fd)
-    return t1 - t0, time.perf_counter() - t0
+    return t1 - t0, time.perf_counter() - t0, cpu
 
 
 def main() -> None:
@@ -130,15 +138,22 @@ def main() -> None:
             raise SystemExit(f"building the checkpoint failed:\n{built.stderr[-3000:]}")
         nbytes, largest = json.loads(built.stdout.strip().splitlines()[-1])
         best = {"copy": float("inf"), "copy_sync": float("inf"), "dcp_to_hf": float("inf"), "hf_to_tp2": float("inf")}
+        cpu_s = {"copy": float("inf"), "dcp_to_hf": float("inf"), "hf_to_tp2": float("inf")}
         rss, rss0 = 0.0, 0.0
+        load_before = os.getloadavg()[0]
         for i in range(args.repeat):
             for name in ("copy", "hf", "tp2"):
                 shutil.rmtree(os.path.join(work, name), ignore_errors=True)
-            plain, synced = timed_copy(src, os.path.join(work, "copy"))
+            os.sync()  # every step starts with no dirty pages left by the one before
+            plain, synced, cpu = timed_copy(src, os.path.join(work, "copy"))
             best["copy"], best["copy_sync"] = min(best["copy"], plain), min(best["copy_sync"], synced)
+            cpu_s["copy"] = min(cpu_s["copy"], cpu)
+            os.sync()
             a = run_child(src, os.path.join(work, "hf"), "hf")
+            os.sync()
             b = run_child(os.path.join(work, "hf"), os.path.join(work, "tp2"), "tp:2")
             best["dcp_to_hf"], best["hf_to_tp2"] = min(best["dcp_to_hf"], a["s"]), min(best["hf_to_tp2"], b["s"])
+            cpu_s["dcp_to_hf"], cpu_s["hf_to_tp2"] = min(cpu_s["dcp_to_hf"], a["cpu_s"]), min(cpu_s["hf_to_tp2"], b["cpu_s"])
             rss = max(rss, a["peak_rss_mb"], b["peak_rss_mb"])
             rss0 = max(rss0, a["rss_after_import_mb"], b["rss_after_import_mb"])
         gb = nbytes / 1e9
@@ -154,6 +169,8 @@ def main() -> None:
             "ratio_vs_copy_nosync": round(slower / best["copy"], 3),
             "peak_rss_mb": round(rss, 1), "rss_after_import_mb": round(rss0, 1),
             "largest_tensor_mb": round(largest_mb, 1), "rss_goal_mb": round(2 * largest_mb + 256, 1),
+            "cpu_s": {k: round(v, 3) for k, v in cpu_s.items()},
+            "load_avg_1m": [round(load_before, 2), round(os.getloadavg()[0], 2)], "cores": os.cpu_count(),
             "repeat": args.repeat,
         }))
     finally:

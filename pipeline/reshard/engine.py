@@ -68,14 +68,17 @@ def _stream(source, sink, specs, pipe: HashPipe | None = None, capacity: int | N
                 raise item
             spec, tensor, segments = item
             sink.write(spec, tensor, segments)
-            if pipe is not None:
-                pipe.drain()  # the checksum thread is done with this tensor's memory
             del tensor, item
-            ring.release()
+            if pipe is not None:
+                pipe.then(ring.release)  # the memory returns once its checksum is computed
+            else:
+                ring.release()
             done_bytes += spec.nbytes
             if time.monotonic() - last > log_every_s:
                 last = time.monotonic()
                 log.info("reshard: %.0f%% (%.2f of %.2f GB)", 100 * done_bytes / total, done_bytes / 1e9, total / 1e9)
+        if pipe is not None:
+            pipe.drain()
     finally:
         ring.stop()
         reader.join()

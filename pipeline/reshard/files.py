@@ -44,7 +44,9 @@ class HashPipe:
 
     sha256 runs at ~1.7 GB/s per core, as slow as the disk copy it guards: hashing inline would
     nearly double the time of a reshard. Buffers submitted here must stay alive and unchanged until
-    `drain()` returns; updates of one hash object are applied in submission order."""
+    hashed: `then(fn)` runs `fn` on this thread once everything submitted before it is hashed (the
+    writer uses it to hand a tensor's memory back), and `drain()` waits for all. Updates of one
+    hash object are applied in submission order."""
 
     def __init__(self):
         self._q: queue.Queue = queue.Queue()
@@ -58,7 +60,9 @@ class HashPipe:
             try:
                 if item is None:
                     return
-                if self._error is None:
+                if item[0] is None:
+                    item[1]()  # a callback: runs even after an error, so nobody waits forever
+                elif self._error is None:
                     item[0].update(item[1])
             except BaseException as e:  # noqa: BLE001 - re-raised by drain() in the writing thread
                 self._error = e
@@ -68,6 +72,9 @@ class HashPipe:
 
     def submit(self, sha, view) -> None:
         self._q.put((sha, view))
+
+    def then(self, fn) -> None:
+        self._q.put((None, fn))
 
     def drain(self) -> None:
         self._q.join()
