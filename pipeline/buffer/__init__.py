@@ -1,11 +1,33 @@
 """The tiered replay buffer: rollout shards on shared storage, committed through a create-only log.
 
-See `buffer.py` for the API, `log.py` for the commit protocol and `state.py` for what the log holds.
+    buffer/
+      _log/            numbered create-only entries + periodic checkpoints (log.py, state.py)
+      l1/              fresh shards, one per sampler batch (writer.py)
+      l2/              promoted groups for replay (replay.py)
+      l3/run=<id>/policy=<v>/part-*.parquet   archive (archive.py)
+
+Tiers and their bounds (BufferConfig):
+
+- L1 hot: every group consumed once, in commit order, from a cursor the trainer checkpoints
+  (`read_fresh`). Bound `l1_max_rows`: consumed shards leave L1 by compaction into L3; unconsumed
+  data is never dropped — the rate limiter (ratelimit.py) makes the sampler wait instead.
+- L2 warm: consumed groups that pass the quality filter (`promote`), drawn by proportional
+  prioritized replay with importance weights (`sample_replay`, `update_priorities`) up to
+  `num_epochs_per_sample` times. Bound `l2_max_groups`: shards whose groups used up their replays
+  leave first, then the oldest shards (FIFO). L2 holds copies; the archive is built from L1.
+- L3 cold: large zstd files partitioned by run and policy version (`compact`). Bounds
+  `l3_retention_s` and `l3_max_rows`: the oldest files are dropped first.
+
+Bad shards are quarantined (kept on storage, listed by `stats` and `verify`); `gc` removes
+orphans after `orphan_grace_s`. See buffer.py for the API.
 """
 
 from .buffer import ReplayBuffer, parse_cursor
 from .log import CommitConflict, CommitLog
+from .ratelimit import RateLimiter
+from .replay import ReplayBatch
 from .shards import CorruptShard
 from .writer import ShardWriter
 
-__all__ = ["ReplayBuffer", "ShardWriter", "CommitLog", "CommitConflict", "CorruptShard", "parse_cursor"]
+__all__ = ["ReplayBuffer", "ShardWriter", "ReplayBatch", "RateLimiter", "CommitLog", "CommitConflict",
+           "CorruptShard", "parse_cursor"]

@@ -74,7 +74,8 @@ class ReplayBuffer:
         self._lock = threading.RLock()
         self.log = CommitLog(self.fs, self.root, self.config.checkpoint_interval,
                              tombstone_retention_s=self.config.orphan_grace_s, fsync=self.config.fsync)
-        self._cache: OrderedDict[str, pa.Table] = OrderedDict()
+        self._cache: OrderedDict[str, pa.Table] = OrderedDict()  # recently read shards
+        self._cache_lock = threading.Lock()
         self.evicted_unread_shards = 0  # L1 shards removed before this reader got to them
 
     # log access -------------------------------------------------------------------------------
@@ -103,22 +104,25 @@ class ReplayBuffer:
 
     # reading ----------------------------------------------------------------------------------
     def _load(self, info: ShardInfo) -> pa.Table:
-        table = self._cache.get(info.path)
-        if table is not None:
-            self._cache.move_to_end(info.path)
-            return table
+        with self._cache_lock:
+            table = self._cache.get(info.path)
+            if table is not None:
+                self._cache.move_to_end(info.path)
+                return table
         table = read_shard(self.fs, self.root, info.path)
         if table.num_rows != info.rows:
             raise CorruptShard(f"{self.root}/{info.path}: {table.num_rows} rows, the commit log says {info.rows}")
-        self._cache[info.path] = table
-        while len(self._cache) > _CACHE_SHARDS:
-            self._cache.popitem(last=False)
+        with self._cache_lock:
+            self._cache[info.path] = table
+            while len(self._cache) > _CACHE_SHARDS:
+                self._cache.popitem(last=False)
         return table
 
     def quarantine(self, path: str, reason: str) -> None:
         """Take a bad shard out of its tier; it stays on storage for inspection, listed in stats."""
         log.error("buffer %s: quarantined shard %s/%s: %s", self.url, self.root, path, reason)
-        self._cache.pop(path, None)
+        with self._cache_lock:
+            self._cache.pop(path, None)
         with self._lock:
             if path in self.log.state.shards:
                 self.log.commit([{"op": "quarantine", "path": path, "reason": reason[:2000]}])
@@ -129,6 +133,13 @@ class ReplayBuffer:
             return self._load(info)
         except CorruptShard as e:
             self.quarantine(info.path, str(e))
+            return None
+        except FileNotFoundError:
+            # removed by compaction or eviction (and gc) since our view of the log: skip it;
+            # still committed yet missing on storage: bad data like any other
+            if info.path in self.refresh().shards:
+                self.quarantine(info.path, f"{self.root}/{info.path}: committed in version "
+                                           f"{info.version} but missing on storage")
             return None
 
     def read_fresh(self, cursor: dict | None, max_groups: int) -> tuple[pa.Table, dict]:

@@ -184,3 +184,21 @@ def test_torn_log_entry_after_a_machine_crash_counts_as_empty_and_fails_verify(t
     with again.writer("w2") as w:  # and the log still takes new commits
         w.write(make_groups("d", 1))
     assert again.fresh_backlog(None) == 2 + 2 + 1
+
+
+def test_missing_committed_shard_is_quarantined_but_a_compacted_one_is_skipped(buffer_url):
+    buf = _buf(buffer_url)
+    _write(buf, ["a", "b"])
+    p0, p1 = _l1_paths(buf)
+    buf.fs.rm_file(join(buf.root, p1))  # lost from storage while still committed
+    table, _ = buf.read_fresh(None, 10)
+    assert set(table.column("group_id").to_pylist()) == {"a-g0", "a-g1"}
+    assert "missing on storage" in buf.stats()["quarantined"][p1]
+    # a reader whose view predates a compaction + gc does not quarantine what was archived
+    stale = _buf(buffer_url)
+    stale.refresh()
+    buf.compact(everything=True)
+    buf.gc(grace_s=0)
+    info = stale.state.shards[p0]
+    assert stale.load_shard(info) is None
+    assert p0 not in stale.stats()["quarantined"]
