@@ -97,8 +97,9 @@ def put_if_absent(fs: fsspec.AbstractFileSystem, path: str, data: bytes, fsync: 
             return True
     protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
     if protocol in ("s3", "s3a", "gs", "gcs"):
-        # s3fs sends `If-None-Match: *`; gcsfs sends `ifGenerationMatch=0`. Both answer 412 when
-        # the object exists, which they raise as FileExistsError (s3fs) or an HTTP error (gcsfs).
+        # s3fs sends `If-None-Match: *`, gcsfs `ifGenerationMatch=0` (marked experimental by
+        # gcsfs); both stores answer 412 when the object exists, which both libraries raise as
+        # FileExistsError. The other checks cover older releases that raise a generic error.
         try:
             fs.pipe_file(path, data, mode="create")
             return True

@@ -160,6 +160,9 @@ class ReplayBuffer:
                         self.url, seq, infos[0].seq - 1)
         if infos and infos[0].seq != seq:
             g = 0
+        elif infos and g >= infos[0].groups:
+            raise ValueError(f"buffer cursor {cursor!r}: shard {seq} has only {infos[0].groups} groups; "
+                             "pass a cursor returned by read_fresh")
         pieces: list[pa.Table] = []
         need = max_groups
         for info in infos:

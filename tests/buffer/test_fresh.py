@@ -116,6 +116,9 @@ def test_bad_cursor_names_the_value(buffer_url):
         buf.read_fresh({"seq": "x"}, 1)
     with pytest.raises(ValueError, match="past the end"):
         buf.read_fresh({"seq": 5, "group": 0}, 1)
+    _write(buf, "w0", [make_groups("a", 2)])
+    with pytest.raises(ValueError, match="only 2 groups"):
+        buf.read_fresh({"seq": 0, "group": 2}, 1)
 
 
 def test_opening_reads_a_checkpoint_not_the_whole_log(buffer_url, small_config):
