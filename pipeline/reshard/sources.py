@@ -132,6 +132,9 @@ class TPSource(Source):
         rank_files = manifest.get("rank_files") or []
         if len(rank_files) != n:
             raise ReshardError(f"{root}/{MANIFEST}: lists {len(rank_files)} rank files for tp:{n}")
+        for f in rank_files:
+            if not isinstance(f, str) or "/" in f or f.startswith("."):
+                raise ReshardError(f"{root}/{MANIFEST}: rank file name {f!r} points outside the folder")
         self._paths = [f"{root}/{f}" for f in rank_files]
         headers = self._headers(self._paths)
         self._plan: dict[str, dict] = manifest.get("tensors") or {}

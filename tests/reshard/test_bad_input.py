@@ -123,3 +123,17 @@ def test_a_failure_while_writing_leaves_no_output(tiny, tmp_path, monkeypatch):
     with pytest.raises(OSError, match="disk full"):
         reshard(tiny[2], str(tmp_path / "out"), to="hf", max_shard_bytes=300_000)
     _no_output(tmp_path / "out")
+
+
+def test_tp_manifest_pointing_outside_its_folder_is_refused(tiny, tmp_path):
+    tp = str(tmp_path / "tp")
+    reshard(tiny[2], tp, to="tp:2")
+    path = os.path.join(tp, "manifest.json")
+    with open(path) as f:
+        manifest = json.load(f)
+    manifest["rank_files"][1] = "../hf/model.safetensors"
+    os.chmod(path, 0o644)
+    with open(path, "w") as f:
+        json.dump(manifest, f)
+    with pytest.raises(ReshardError, match="points outside the folder"):
+        reshard(tp, str(tmp_path / "out"), to="hf")
