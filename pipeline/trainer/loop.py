@@ -195,7 +195,6 @@ class Trainer:
         """One pass over L2: eligible // groups_per_step draws by priority. Returns updates taken."""
         tc, st, world = self.tc, self.state, self.world
         waited = wait_for_gate(self.run, epoch, self.cfg.sampler.poll_s, tc.wait_timeout_s)
-        world.barrier()  # rank 0's last promote is committed: every rank sees the same L2
         n = self.buffer.eligible_replay_groups() // tc.groups_per_step
         done = 0
         for i in range(n):
@@ -223,6 +222,24 @@ class Trainer:
         log.info("replay epoch %d: %d updates of %d groups", epoch, done, tc.groups_per_step)
         return done
 
+    def due_replay_epochs(self, replay_at: list[int]) -> None:
+        """Run the replay epochs due by now. An epoch whose L2 holds less than one step of eligible
+        groups is deferred to a later step rather than waited for (only fresh steps add to L2, so
+        waiting would never end); at the last step it is skipped."""
+        tc, st = self.tc, self.state
+        for e in range(st.replay_epochs_done, tc.replay_epochs):
+            if replay_at[e] > st.step:
+                break
+            self.world.barrier()  # rank 0's promote is committed: every rank counts the same L2
+            eligible = self.buffer.eligible_replay_groups()
+            if eligible < tc.groups_per_step:
+                if st.step < tc.steps:
+                    break
+                log.info("replay epoch %d skipped: %d eligible groups < trainer.groups_per_step", e, eligible)
+            else:
+                self.replay_epoch(e)
+            st.replay_epochs_done = e + 1
+
     # the loop ---------------------------------------------------------------------------------
     def run_loop(self) -> dict:
         tc, st, world, run = self.tc, self.state, self.world, self.run
@@ -238,11 +255,7 @@ class Trainer:
                 if kill_at and st.step == kill_at:
                     world.barrier()
                     os.kill(os.getpid(), signal.SIGKILL)
-                for e in range(st.replay_epochs_done, tc.replay_epochs):
-                    if replay_at[e] > st.step:
-                        break
-                    self.replay_epoch(e)
-                    st.replay_epochs_done = e + 1
+                self.due_replay_epochs(replay_at)
                 if st.step in phase_ends:
                     ck = save_checkpoint(run, self.actor, self.opt, self.sched, st, self.tokenizer, world,
                                          kind="phase", keep=tc.keep_checkpoints)

@@ -4,7 +4,11 @@ The trainer's `trainer.steps` fresh steps are split into `trainer.phases` equal 
 of phase k it saves a checkpoint and writes marker `phase_<k>.done` = {"step", "checkpoint"}; the
 policy of that boundary reaches the sampler only through the reshard path (the DAG's reshard task,
 or `advance` below). `trainer.replay_epochs` replay passes over L2 are spread evenly over the fresh
-steps; before epoch e the trainer waits for marker `replay_gate_<e>.open`.
+steps; before epoch e the trainer waits for marker `replay_gate_<e>.open`. An epoch that falls due
+while L2 holds less than one step of eligible groups (the gate's own condition) is deferred to a
+later fresh step instead of waited for: only fresh steps add to L2, so that wait could never end.
+Each epoch makes eligible // groups_per_step draws by priority; new priorities (the group's mean
+|advantage|) and replay counts go back to the buffer after every draw.
 
 `advance(run)` is what an orchestrator does between trainer and sampler: publish every finished
 phase's checkpoint that is not yet a policy version, and open every replay gate whose condition
