@@ -35,6 +35,10 @@ COMPONENTS = {
 }
 DEVICE_POOL = "rlhf_devices"  # see plugins/taskgroups.py
 DEMO_CONF = {"config_file": "tiny-grpo.yaml"}
+# SQLite connect arguments for every component (imported by Airflow by name, see env()): wait up to
+# a minute for a write lock instead of failing with "database is locked" when four components and
+# the task processes write at once.
+SQLITE_CONNECT_ARGS = {"timeout": 60}
 TERMINAL = {"success", "failed"}
 
 
@@ -230,6 +234,8 @@ class LocalAirflow:
             "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
             "AIRFLOW__CORE__PARALLELISM": "16",
             "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": f"sqlite:///{self.home / 'airflow.db'}",
+            "AIRFLOW__DATABASE__SQL_ALCHEMY_CONNECT_ARGS": "pipeline.airflow_local.SQLITE_CONNECT_ARGS",
+            "AIRFLOW__DATABASE__SQL_ALCHEMY_CONNECT_ARGS_ASYNC": "pipeline.airflow_local.SQLITE_CONNECT_ARGS",
             "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_USERS": "admin:admin",
             "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_PASSWORDS_FILE": str(self.passwords_file),
             "AIRFLOW__API__HOST": "127.0.0.1",
@@ -260,9 +266,14 @@ class LocalAirflow:
         exe = Path(sys.executable).with_name("airflow")
         return [str(exe)] if exe.exists() else [sys.executable, "-m", "airflow"]
 
-    def _cli(self, *args: str, timeout: float = 300) -> str:
-        out = subprocess.run([*self._airflow(), *args], env=self.env(), capture_output=True, text=True,
-                             timeout=timeout)
+    def _cli(self, *args: str, timeout: float = 300, attempts: int = 3) -> str:
+        for attempt in range(attempts):
+            out = subprocess.run([*self._airflow(), *args], env=self.env(), capture_output=True, text=True,
+                                 timeout=timeout)
+            # A failed transaction is rolled back: rerunning after a lock timeout is safe.
+            if out.returncode == 0 or "database is locked" not in out.stderr:
+                break
+            time.sleep(2 * (attempt + 1))
         if out.returncode != 0:
             raise AirflowError(f"airflow {' '.join(args)} failed ({out.returncode}): {out.stderr[-2000:]}")
         return out.stdout

@@ -26,12 +26,16 @@ MAX_POINTS = 400
 
 def phase_done_marker(phase: int) -> str:
     """Written by the trainer when the checkpoint closing phase `phase` is complete."""
-    return f"phase_{int(phase)}.done"
+    from pipeline.trainer.phases import phase_done_marker as name  # the engine owns the contract
+
+    return name(phase)
 
 
 def replay_gate_marker(epoch: int) -> str:
     """Written by the replay-gate sensor; the trainer waits for it before replay epoch `epoch`."""
-    return f"replay_gate_{int(epoch)}.open"
+    from pipeline.trainer.phases import replay_gate_marker as name
+
+    return name(epoch)
 
 
 def _downsample(points: list, limit: int = MAX_POINTS) -> list:
