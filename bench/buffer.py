@@ -212,7 +212,7 @@ def build_log(url: str, commits: int) -> None:
                 acts.append({"op": "remove", "path": l3[pv]})
             l3[pv] = f"l3/run=bench/policy={pv}/part-{i}.parquet"
             acts.append({"op": "add", "path": l3[pv], "tier": "l3", "rows": 128 * 48, "bytes": 2_000_000,
-                         "gsizes": [8] * 16 * 48, "pv": [pv, pv], "t": time.time()})
+                         "ngroups": 16 * 48, "pv": [pv, pv], "t": time.time()})
             log.commit(acts)
 
 

@@ -112,7 +112,7 @@ def _compact_chunk(buf: "ReplayBuffer", chunk: list[ShardInfo]) -> int:
         rel = f"l3/run={run_id}/policy={int(pv)}/part-{uuid.uuid4().hex}.parquet"
         write_shard(buf.fs, buf.root, rel, data, fsync=True)  # inputs go once this commits
         actions.append({"op": "add", "path": rel, "tier": "l3", "rows": part.num_rows, "bytes": len(data),
-                        "gsizes": gsizes, "pv": list(policy_range(part)), "t": time.time()})
+                        "ngroups": len(gsizes), "pv": list(policy_range(part)), "t": time.time()})
     removes = [{"op": "remove", "path": p} for p in inputs]
     buf.commit(removes + actions, precondition=_still_live(inputs))
     return len(actions)

@@ -7,7 +7,7 @@ processes and across restarts. Checkpoints are this state serialised at one vers
 Actions (one JSON object each, inside a numbered log entry):
 
     {"op": "add", "path": "l1/w-..parquet", "tier": "l1", "rows": 64, "bytes": 9000,
-     "gsizes": [8, 8, ...], "pv": [min, max], "t": 1700000000.0,
+     "gsizes": [8, 8, ...], "pv": [min, max], "t": 1700000000.0,     # l3: "ngroups": N instead
      "groups": [[key, row_start, row_count, group_hash, priority], ...]}   # l2 only
     {"op": "remove", "path": ...}                       # compaction, eviction, exhausted replays
     {"op": "prio", "keys": [...], "p": [...]}           # replayed once more, new priority
@@ -32,26 +32,27 @@ class ShardInfo:
     tier: str
     rows: int
     bytes: int
-    gsizes: list[int]  # rows per group, in file order (groups are contiguous in a shard)
+    gsizes: list[int]  # rows per group, in file order (groups are contiguous); empty for L3
     pv: tuple[int, int]  # min/max policy_version of its rows
     t: float  # commit time
     version: int  # log version that added it
     seq: int = -1  # position in the L1 stream (commit order); -1 outside L1
     g0: int = 0  # L1 groups committed before this shard (turns a cursor into a consumed-group count)
+    ngroups: int = -1  # group count when gsizes is not kept (L3 files are not read group by group)
 
     @property
     def groups(self) -> int:
-        return len(self.gsizes)
+        return self.ngroups if self.ngroups >= 0 else len(self.gsizes)
 
     def to_json(self) -> dict:
         return {"path": self.path, "tier": self.tier, "rows": self.rows, "bytes": self.bytes,
                 "gsizes": self.gsizes, "pv": list(self.pv), "t": self.t, "version": self.version,
-                "seq": self.seq, "g0": self.g0}
+                "seq": self.seq, "g0": self.g0, "ngroups": self.ngroups}
 
     @classmethod
     def from_json(cls, d: dict) -> "ShardInfo":
         return cls(d["path"], d["tier"], d["rows"], d["bytes"], list(d["gsizes"]), tuple(d["pv"]),
-                   d["t"], d["version"], d.get("seq", -1), d.get("g0", 0))
+                   d["t"], d["version"], d.get("seq", -1), d.get("g0", 0), d.get("ngroups", -1))
 
 
 @dataclass
@@ -111,8 +112,8 @@ class BufferState:
         self.version = version
 
     def _add(self, a: dict, version: int) -> None:
-        info = ShardInfo(a["path"], a["tier"], a["rows"], a["bytes"], list(a["gsizes"]),
-                         tuple(a["pv"]), a["t"], version)
+        info = ShardInfo(a["path"], a["tier"], a["rows"], a["bytes"], list(a.get("gsizes", [])),
+                         tuple(a["pv"]), a["t"], version, ngroups=int(a.get("ngroups", -1)))
         if info.path in self.shards:
             return  # idempotent: a shard is added once
         if info.tier == "l1":

@@ -104,8 +104,9 @@ def verify(buf: "ReplayBuffer") -> dict:
             problems.append(f"{path}: {table.num_rows} rows, the commit log says {info.rows}")
             continue
         _, gsizes = group_layout(table)
-        if gsizes != info.gsizes:
-            problems.append(f"{path}: group sizes {gsizes[:8]} differ from the commit log's {info.gsizes[:8]}")
+        if len(gsizes) != info.groups or (info.gsizes and gsizes != info.gsizes):
+            problems.append(f"{path}: {len(gsizes)} groups of sizes {gsizes[:8]}, the commit log says "
+                            f"{info.groups} of sizes {info.gsizes[:8]}")
     orphans = 0
     for d in DATA_DIRS:
         orphans += sum(1 for f in list_files(buf.fs, join(buf.root, d), include_hidden=True)
