@@ -55,6 +55,8 @@ class Architecture:
     def from_config(cls, config: dict, where: str) -> "Architecture":
         archs = config.get("architectures") or []
         known = [a for a in archs if a in ARCHITECTURES]
+        if not archs:  # configs saved without `architectures` still name their model type
+            known = [a for a, t in ARCHITECTURES.items() if t == config.get("model_type")]
         if not known:
             raise ReshardError(
                 f"{where}/config.json: unknown architecture {archs or config.get('model_type')!r}; "
