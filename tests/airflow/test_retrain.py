@@ -1,0 +1,49 @@
+"""Scheduled retraining inputs: the dated prompt partition and the policy registry."""
+
+from datetime import datetime, timezone
+from types import SimpleNamespace
+
+import pytest
+
+from plugins.registry import PolicyRegistry
+from plugins.retrain import partition_date, stage_partition
+
+
+def test_partition_date_is_the_logical_date_or_run_after_for_runs_without_one():
+    when = datetime(2026, 11, 15, tzinfo=timezone.utc)
+    assert partition_date(when, SimpleNamespace(run_after=None)) == "2026-11-15"
+    assert partition_date(None, SimpleNamespace(logical_date=None, run_after=when)) == "2026-11-15"
+
+
+def test_partition_files_are_concatenated_into_one_staged_file(tmp_path):
+    import pyarrow.parquet as pq
+
+    from pipeline.data import write_rows
+    from pipeline.tasks import make_rows
+
+    part = tmp_path / "prompts" / "ds=2026-11-15"
+    write_rows(make_rows("sort", 5, 1, "train"), str(part / "a.parquet"))
+    write_rows(make_rows("sort", 7, 2, "train"), str(part / "b.parquet"))
+    write_rows(make_rows("sort", 3, 3, "train"), str(tmp_path / "prompts" / "ds=2026-11-08" / "a.parquet"))
+    dst = tmp_path / "staged" / "train.parquet"
+    assert stage_partition(str(tmp_path / "prompts"), "2026-11-15", str(dst)) == 12
+    assert pq.read_table(dst).num_rows == 12
+
+
+def test_a_missing_partition_fails_naming_the_path(tmp_path):
+    with pytest.raises(FileNotFoundError, match="ds=2026-11-22"):
+        stage_partition(str(tmp_path), "2026-11-22", str(tmp_path / "x.parquet"))
+    with pytest.raises(ValueError, match="YYYY-MM-DD"):
+        stage_partition(str(tmp_path), "../../etc", str(tmp_path / "x.parquet"))
+
+
+def test_registry_returns_the_latest_earlier_date_so_reruns_are_idempotent(tmp_path):
+    reg = PolicyRegistry(f"file://{tmp_path}/registry/rlhf_retrain.json")
+    assert reg.previous("2026-11-15") is None
+    reg.record("2026-11-08", {"policy_url": "p8"})
+    reg.record("2026-11-15", {"policy_url": "p15"})
+    assert reg.previous("2026-11-15") == {"policy_url": "p8"}  # not its own entry
+    assert reg.previous("2026-11-22") == {"policy_url": "p15"}
+    reg.record("2026-11-08", {"policy_url": "p8-rerun"})  # a rerun replaces only its own date
+    assert sorted(reg.entries()) == ["2026-11-08", "2026-11-15"]
+    assert reg.previous("2026-11-15") == {"policy_url": "p8-rerun"}
