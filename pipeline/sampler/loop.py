@@ -88,8 +88,10 @@ def run_sampler(run_url: str, sampler_id: str = "sampler-0") -> dict:
     batches = int(state.get("batches", 0))
     # Groups produced so far: the buffer's count, or, while our own last shards are still in the
     # asynchronous writer, the count at start plus what we handed over (whichever is larger).
-    committed_at_start = buffer.stats()["l1_groups_committed"]
+    committed_at_start = buffer.committed_groups()
     handed_over = 0
+    limiter = buffer.rate_limiter()
+    waited = reload_s = 0.0  # since the last logged batch
     log.info("sampler %s: policy v%d, backend %s, %d prompts", sampler_id, version, sc.backend, len(prompts))
 
     try:
@@ -97,13 +99,15 @@ def run_sampler(run_url: str, sampler_id: str = "sampler-0") -> dict:
             if run.stop_requested() or run.has_marker("trainer_done"):
                 break
             latest = store.latest()
-            reload_s = 0.0
             if latest is not None and latest > version:
-                reload_s = backend.load_weights(store.local_dir(latest))
+                reload_s += backend.load_weights(store.local_dir(latest))
                 version = latest
-            produced = max(buffer.stats()["l1_groups_committed"], committed_at_start + handed_over)
-            if batch_ahead(produced, gps, version) > sc.max_staleness:
-                time.sleep(sc.poll_s)  # throttled: wait for the trainer to publish a newer policy
+            produced = max(buffer.committed_groups(), committed_at_start + handed_over)
+            if batch_ahead(produced, gps, version) > sc.max_staleness or \
+                    limiter.blocked_by(sc.prompts_per_batch) is not None:
+                # throttled: wait for a newer policy, or for the trainer to use what is buffered
+                time.sleep(sc.poll_s)
+                waited += sc.poll_s
                 continue
 
             t0 = time.time()
@@ -144,6 +148,8 @@ def run_sampler(run_url: str, sampler_id: str = "sampler-0") -> dict:
             }
             if reload_s:
                 record["sampler/reload_s"] = reload_s
+            record["sampler/throttle_s"] = waited
+            waited = reload_s = 0.0
             if hasattr(backend, "stats"):
                 record.update(backend.stats())
             metrics.log(record)
