@@ -156,27 +156,48 @@ class DCPReader:
             self._open[rel] = open_read(self.fs, f"{self.folder}/{rel}")
         return self._open[rel]
 
-    def _read_chunk(self, c: _Chunk, dest: torch.Tensor, where: str) -> tuple[int, int, int] | None:
-        """Fill `dest`; returns where its raw bytes lie, (fd, offset, length), when on local disk."""
+    def locate(self, name: str) -> list[tuple[int, int, int]] | None:
+        """Where the raw bytes of `name` lie, in row-major order, without reading them: one
+        (fd, offset, length) per dim-0 chunk. None unless every chunk is a plain slab on local disk."""
+        spec, out = self._by_name[name], []
+        for c in sorted(self._chunks[name], key=lambda c: c.offsets):
+            if any(o != 0 for o in c.offsets[1:]) or tuple(c.sizes[1:]) != tuple(spec.shape[1:]):
+                return None
+            f, window, meta, record = self._parse_chunk(c, spec.dtype, c.sizes, f"{self.folder}/{c.info.relative_path}")
+            nbytes = spec.dtype.itemsize
+            for s in c.sizes:
+                nbytes *= s
+            storage = meta.untyped_storage()
+            plain = meta.is_contiguous() and meta.storage_offset() == 0 and storage.nbytes() == nbytes
+            if not (plain and record is not None and isinstance(f, io.FileIO)):
+                return None
+            out.append((f.fileno(), c.info.offset + record, nbytes))
+        return out
+
+    def _parse_chunk(self, c: _Chunk, dtype: torch.dtype, sizes, where: str):
+        """(file, window, meta tensor, offset of the raw bytes in the window or None), validated."""
         f = self._file(c.info.relative_path)
         window = _Slice(f, c.info.offset, c.info.length)
         try:
             meta = torch.load(window, map_location="meta", weights_only=True)
         except Exception as e:  # noqa: BLE001 - any unreadable archive is the same user-facing problem
             raise ReshardError(f"{where}: unreadable chunk at byte {c.info.offset} ({e}); the shard is corrupt") from None
-        if not isinstance(meta, torch.Tensor) or tuple(meta.shape) != tuple(dest.shape) or meta.dtype != dest.dtype:
+        if not isinstance(meta, torch.Tensor) or tuple(meta.shape) != tuple(sizes) or meta.dtype != dtype:
             raise ReshardError(
                 f"{where}: chunk holds {getattr(meta, 'dtype', type(meta))} {list(getattr(meta, 'shape', []))}, "
-                f"metadata says {dest.dtype} {list(dest.shape)}; mismatched shape"
+                f"metadata says {dtype} {list(sizes)}; mismatched shape"
             )
+        return f, window, meta, getattr(meta.untyped_storage(), "_checkpoint_offset", None)
+
+    def _read_chunk(self, c: _Chunk, dest: torch.Tensor, where: str) -> tuple[int, int, int] | None:
+        """Fill `dest`; returns where its raw bytes lie, (fd, offset, length), when on local disk."""
+        f, window, meta, record = self._parse_chunk(c, dest.dtype, dest.shape, where)
         storage = meta.untyped_storage()
         plain = meta.is_contiguous() and meta.storage_offset() == 0 and storage.nbytes() == dest.numel() * dest.itemsize
-        record = getattr(storage, "_checkpoint_offset", None)
         if plain and record is not None and dest.is_contiguous():
             window.seek(record)
             read_into(window, dest, where)
-            fileno = getattr(f, "fileno", None) if isinstance(f, io.FileIO) else None
-            return (fileno(), c.info.offset + record, dest.numel() * dest.itemsize) if fileno else None
+            return (f.fileno(), c.info.offset + record, dest.numel() * dest.itemsize) if isinstance(f, io.FileIO) else None
         window.seek(0)  # a view-saved or strided chunk: let torch rebuild it, then copy
         dest.copy_(torch.load(window, map_location="cpu", weights_only=True))
         return None

@@ -47,6 +47,9 @@ def _stream(source, sink, specs, pipe: HashPipe | None = None, capacity: int | N
     def produce():
         try:
             for spec in specs:
+                if not sink.wants_bytes(spec) and (where := source.locate(spec.name)):
+                    q.put((spec, None, where))  # copied file to file; never held in memory
+                    continue
                 t = ring.take(spec.shape, spec.dtype)
                 if t is None:
                     return
@@ -68,10 +71,11 @@ def _stream(source, sink, specs, pipe: HashPipe | None = None, capacity: int | N
                 raise item
             spec, tensor, segments = item
             sink.write(spec, tensor, segments)
+            held = tensor is not None
             del tensor, item
-            if pipe is not None:
+            if held and pipe is not None:
                 pipe.then(ring.release)  # the memory returns once its checksum is computed
-            else:
+            elif held:
                 ring.release()
             done_bytes += spec.nbytes
             if time.monotonic() - last > log_every_s:

@@ -16,6 +16,7 @@ from ..storage import is_local
 from .layout import ReshardError
 
 CHUNK = 16 << 20  # bytes per read/write call: large enough for disk speed, small enough for buffers
+RANGE_BUFFER = 2 << 20  # checksum reads of source ranges: small enough to stay in the CPU cache
 
 
 def tensor_bytes(t: torch.Tensor) -> memoryview:
@@ -51,6 +52,7 @@ class HashPipe:
     def __init__(self):
         self._q: queue.Queue = queue.Queue()
         self._error: BaseException | None = None
+        self._buf: memoryview | None = None
         self._thread = threading.Thread(target=self._run, name="reshard-sha256", daemon=True)
         self._thread.start()
 
@@ -62,8 +64,10 @@ class HashPipe:
                     return
                 if item[0] is None:
                     item[1]()  # a callback: runs even after an error, so nobody waits forever
-                elif self._error is None:
+                elif self._error is None and len(item) == 2:
                     item[0].update(item[1])
+                elif self._error is None:
+                    self._hash_range(*item)
             except BaseException as e:  # noqa: BLE001 - re-raised by drain() in the writing thread
                 self._error = e
             finally:
@@ -75,6 +79,21 @@ class HashPipe:
 
     def then(self, fn) -> None:
         self._q.put((None, fn))
+
+    def submit_range(self, sha, fd: int, offset: int, length: int) -> None:
+        """Hash `length` bytes of file `fd` from `offset` (positional reads: no shared file offset)."""
+        self._q.put((sha, fd, offset, length))
+
+    def _hash_range(self, sha, fd: int, offset: int, length: int) -> None:
+        if self._buf is None:
+            self._buf = memoryview(bytearray(RANGE_BUFFER))
+        done = 0
+        while done < length:
+            n = os.preadv(fd, [self._buf[: min(RANGE_BUFFER, length - done)]], offset + done)
+            if n <= 0:
+                raise ReshardError(f"source file ends {length - done} bytes early at offset {offset + done}")
+            sha.update(self._buf[:n])
+            done += n
 
     def drain(self) -> None:
         self._q.join()
@@ -125,22 +144,28 @@ class OutFile:
         self.bytes += len(view)
         return len(view)
 
-    def copy_from(self, segments: list[tuple[int, int, int]], data) -> int:
+    def copy_from(self, segments: list[tuple[int, int, int]], data=None) -> int:
         """Append bytes that already lie in local files, (fd, offset, length) in order, copied
         inside the kernel (`copy_file_range`): the page cache feeds the new file directly, which
-        measured about 4x faster than `write()` from memory here. `data` is the same bytes in
-        memory (stable until the pipe drains), used for the checksum only."""
-        view = memoryview(data).cast("B")
-        if self._tmp is None or sum(n for _, _, n in segments) != len(view):
-            return self.write(view, stable=True)
-        parallel = self.pipe is not None
-        for i in range(0, len(view), CHUNK):
-            if parallel:
-                self.pipe.submit(self.sha, view[i : i + CHUNK])
+        measured about 4x faster than `write()` from memory here. `data`, when given, is the same
+        bytes in memory (stable until the pipe drains); otherwise the checksum thread reads them
+        back from the source through a small buffer that stays in the CPU cache."""
+        total = sum(n for _, _, n in segments)
+        view = memoryview(data).cast("B") if data is not None else None
+        if view is not None and len(view) != total:
+            raise ValueError(f"{self.path}: segments hold {total} bytes, data {len(view)}")
+        if self._tmp is None:  # object store: no in-kernel copy, plain writes
+            return self.write(view if view is not None else _read_segments(segments), stable=True)
+        if self.pipe is not None:
+            if view is not None:
+                for i in range(0, total, CHUNK):
+                    self.pipe.submit(self.sha, view[i : i + CHUNK])
             else:
-                self.sha.update(view[i : i + CHUNK])
+                for seg in segments:
+                    self.pipe.submit_range(self.sha, *seg)
+        else:
+            self.sha.update(view if view is not None else _read_segments(segments))
         out = self._f.fileno()
-        pos = 0
         for fd, offset, length in segments:
             done = 0
             try:
@@ -150,12 +175,11 @@ class OutFile:
                         raise ReshardError(f"{self.path}: source ended while copying {length} bytes; it is truncated")
                     done += n
             except OSError:  # no in-kernel copy between these files: plain writes of the same bytes
-                part = view[pos + done : pos + length]
-                while len(part):
-                    part = part[self._f.write(part):]
-            pos += length
-        self.bytes += len(view)
-        return len(view)
+                rest = _read_segments([(fd, offset + done, length - done)])
+                while len(rest):
+                    rest = rest[self._f.write(rest):]
+        self.bytes += total
+        return total
 
     def tell(self) -> int:
         return self.bytes
@@ -182,6 +206,17 @@ class OutFile:
             pass
         if self._tmp is not None and os.path.exists(self._tmp):
             os.unlink(self._tmp)
+
+
+def _read_segments(segments: list[tuple[int, int, int]]) -> memoryview:
+    buf = bytearray(sum(n for _, _, n in segments))
+    view, pos = memoryview(buf), 0
+    for fd, offset, length in segments:
+        got = os.preadv(fd, [view[pos : pos + length]], offset)
+        if got != length:
+            raise ReshardError(f"source file ends {length - got} bytes early at offset {offset}; it is truncated")
+        pos += length
+    return view
 
 
 def slice_segments(segments: list[tuple[int, int, int]], begin: int, end: int) -> list[tuple[int, int, int]]:

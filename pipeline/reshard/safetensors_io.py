@@ -93,14 +93,17 @@ class SafetensorsWriter:
         out.write(struct.pack("<Q", len(raw)) + raw)
         self._next = 0
 
-    def write(self, name: str, t: torch.Tensor, segments: list | None = None) -> None:
+    def write(self, name: str, t: torch.Tensor | None, segments: list | None = None) -> None:
         """Append tensor `name`; `segments` (fd, offset, length) say where its exact bytes already
-        lie on local disk, so they can be copied in the kernel."""
+        lie on local disk, so they can be copied in the kernel (then `t` may be None: not read)."""
         want, shape, dtype, nbytes = self._order[self._next]
-        if name != want or tuple(t.shape) != shape or t.dtype != dtype:
-            raise RuntimeError(f"{self.out.path}: expected {want} {list(shape)} {dtype}, got {name} {list(t.shape)} {t.dtype}")
+        if name != want or (t is not None and (tuple(t.shape) != shape or t.dtype != dtype)):
+            got = f"{name} {list(t.shape)} {t.dtype}" if t is not None else name
+            raise RuntimeError(f"{self.out.path}: expected {want} {list(shape)} {dtype}, got {got}")
         if segments:
-            self.out.copy_from(segments, tensor_bytes(t))
+            self.out.copy_from(segments, tensor_bytes(t) if t is not None else None)
+        elif t is None:
+            raise RuntimeError(f"{self.out.path}: {name} has neither bytes in memory nor a source to copy from")
         else:
             self.out.write(tensor_bytes(t.contiguous()), stable=True)
         self._next += 1

@@ -50,7 +50,11 @@ class Sink:
         for name, path in sorted(meta_files.items()):
             self.put(prefix + name, fs_src.cat_file(path))
 
-    def write(self, spec: TensorSpec, t: torch.Tensor, segments: list | None = None) -> None:
+    def wants_bytes(self, spec: TensorSpec) -> bool:
+        """Whether writing `spec` needs the tensor in memory (else its source segments suffice)."""
+        return True
+
+    def write(self, spec: TensorSpec, t: torch.Tensor | None, segments: list | None = None) -> None:
         """Write the whole tensor `spec`; `segments` locate its bytes in local source files."""
         raise NotImplementedError
 
@@ -87,7 +91,10 @@ class HFSink(Sink):
             "tensors": {s.name: {"file": self._file_of[s.name], "shape": list(s.shape), "dtype": ST_CODES[s.dtype]} for s in specs}
         }
 
-    def write(self, spec: TensorSpec, t: torch.Tensor, segments: list | None = None) -> None:
+    def wants_bytes(self, spec: TensorSpec) -> bool:
+        return False
+
+    def write(self, spec: TensorSpec, t: torch.Tensor | None, segments: list | None = None) -> None:
         if self._current is None:
             name, group = self._groups[self._next_group]
             self._next_group += 1
@@ -134,13 +141,16 @@ class TPSink(Sink):
             },
         }
 
-    def write(self, spec: TensorSpec, t: torch.Tensor, segments: list | None = None) -> None:
-        row = t.nbytes // t.shape[0] if t.dim() else 0
+    def wants_bytes(self, spec: TensorSpec) -> bool:
+        return any(p.dim not in (None, 0) for p in self._pieces[spec.name])  # row-parallel slices are gathered
+
+    def write(self, spec: TensorSpec, t: torch.Tensor | None, segments: list | None = None) -> None:
+        row = spec.nbytes // spec.shape[0] if spec.shape else 0
         for p, (_, _, w) in zip(self._pieces[spec.name], self._writers):
             if p.dim is None:
                 w.write(spec.name, t, segments)
             elif p.dim == 0:  # a contiguous run of rows: a contiguous run of the source bytes
-                part = t.narrow(0, p.start, p.stop - p.start)
+                part = t.narrow(0, p.start, p.stop - p.start) if t is not None else None
                 w.write(spec.name, part, segments and slice_segments(segments, p.start * row, p.stop * row))
             else:
                 w.write(spec.name, t.narrow(p.dim, p.start, p.stop - p.start))  # gathered in memory

@@ -77,6 +77,10 @@ class Source:
         (fd, offset, length). None when they are not one plain run of local bytes."""
         return None
 
+    def locate(self, name: str) -> list[tuple[int, int, int]] | None:
+        """Like `segments`, without reading the tensor first (None if that needs a read)."""
+        return None
+
     def close(self) -> None:
         for f in self._handles.values():
             f.close()
@@ -120,6 +124,8 @@ class HFSource(Source):
         path, entry = self._where[name]
         f = self._file(path)
         return [(f.fileno(), entry.begin, entry.end - entry.begin)] if isinstance(f, io.FileIO) else None
+
+    locate = segments
 
 
 class TPSource(Source):
@@ -195,6 +201,9 @@ class DCPSource(Source):
     def segments(self, name: str) -> list[tuple[int, int, int]] | None:
         last, segments = self.reader.segments
         return segments if last == name and segments else None
+
+    def locate(self, name: str) -> list[tuple[int, int, int]] | None:
+        return self.reader.locate(name)
 
     def close(self) -> None:
         self.reader.close()

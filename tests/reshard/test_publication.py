@@ -140,6 +140,9 @@ def test_tensors_in_flight_stay_within_the_ring_and_are_never_overwritten_while_
             return None
 
     class Sink:
+        def wants_bytes(self, spec):
+            return True
+
         def write(self, spec, t, segments):
             time.sleep(0.0002 * (int(spec.name[1:]) % 3))  # let the reader run ahead and wrap around
             assert bool((t == float(spec.name[1:])).all()), spec.name  # not overwritten by a later read
@@ -163,10 +166,19 @@ def test_local_bytes_pass_through_the_kernel_copy_and_still_match_their_checksum
         return real(*a, **k)
 
     monkeypatch.setattr(files.os, "copy_file_range", counting)
+    from pipeline.reshard import sources
+
+    reads = []
+    for cls in (sources.HFSource, sources.DCPSource):
+        real_read = cls.read
+        monkeypatch.setattr(cls, "read", lambda self, name, out=None, _r=real_read: reads.append(name) or _r(self, name, out))
     reshard(trainer_ckpt, str(tmp_path / "hf"), to="hf")
     from_dcp = calls["n"]
+    assert reads == []  # every tensor went file to file
     reshard(str(tmp_path / "hf"), str(tmp_path / "tp2"), to="tp:2")
     assert from_dcp > 0 and calls["n"] > from_dcp
+    assert sorted(reads) == sorted(f"model.layers.{i}.{m}.weight" for i in range(2)
+                                   for m in ("self_attn.o_proj", "mlp.down_proj"))  # only row-parallel ones
     assert verify(str(tmp_path / "hf")).ok and verify(str(tmp_path / "tp2")).ok
     state = load_state_dict(str(tmp_path / "hf"))
     assert all(torch.equal(v, state[k]) for k, v in tiny[0].state_dict().items())
