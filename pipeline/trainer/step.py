@@ -8,6 +8,11 @@
 
 Returns the statistics of the first update epoch (what the corrections did to this batch) and
 one new replay priority per group: the mean |advantage| over its response tokens.
+
+Metrics: is/weight_mean, is/weight_max (untruncated pi_prox / mu), is/clip_frac (share truncated
+at C); actor/logprob_gap = mean |log pi - log mu| on rows the sampler generated with the trainer's
+current version (pure sampler/trainer numerics); actor/behaviour_shift = the same over all rows
+(numerics plus policy drift since the data was generated); trainer/padding_ratio.
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ from .distributed import World, full_tensor
 from .losses import KL_ESTIMATORS, aggregate_sum, denominator, policy_loss, value_loss
 
 _SUMS = ("tokens", "clip_sum", "ratio_sum", "is_sum", "is_clipped", "pg_sum", "kl_sum", "ent_sum", "vf_sum",
-         "gap_sum", "gap_tokens", "pad_real", "pad_total", "samples", "value_sum", "target_sum")
+         "gap_sum", "gap_tokens", "shift_sum", "pad_real", "pad_total", "samples", "value_sum", "target_sum")
 _MAXES = ("ratio_max", "is_max")
 
 
@@ -65,14 +70,13 @@ def _whiten(advs: list[torch.Tensor], plan, world: World, eps: float = 1e-6) -> 
     return [(a - mean) / (std + eps) * mb.mask for a, (mb, _) in zip(advs, plan)]
 
 
-def _critic_advantages(actor: ActorCritic, plan, prox, tc: TrainerConfig, temperature: float, world: World):
+def _critic_advantages(actor: ActorCritic, plan, prox, hidden, tc: TrainerConfig, world: World):
     """Values (no grad) -> per micro-batch (token advantages, value targets), with V-trace or GAE."""
     advs, targets, values = [], [], []
     with torch.no_grad():
-        for (mb, _), p in zip(plan, prox):
-            h = forward(actor.policy, mb, temperature, hidden=True).hidden
+        for (mb, _), p, h in zip(plan, prox, hidden):
             v = actor.critic(h) * mb.mask
-            r = token_rewards(mb.rewards, mb.mask.cpu()).to(v.device)
+            r = token_rewards(mb.rewards.cpu(), mb.mask.cpu())
             if tc.critic_targets == "vtrace":
                 log_rho = (p - mb.behavior_logprobs) * mb.mask
                 a, t = vtrace(v.cpu(), r.cpu(), mb.mask.cpu(), log_rho.cpu(), tc.gamma, tc.gae_lambda,
@@ -100,10 +104,11 @@ def train_step(actor: ActorCritic, ref, opt, batch: TrainBatch, tc: TrainerConfi
     prox: list[torch.Tensor | None] = [None] * len(plan)
     if algo.critic or tc.update_epochs > 1:
         with torch.no_grad():
-            prox = [forward(actor.policy, mb, temperature).logprobs for mb, _ in plan]
+            pre = [forward(actor.policy, mb, temperature, hidden=algo.critic) for mb, _ in plan]
+        prox = [f.logprobs for f in pre]
     targets = None
     if algo.critic:
-        tok_adv, targets, values = _critic_advantages(actor, plan, prox, tc, temperature, world)
+        tok_adv, targets, values = _critic_advantages(actor, plan, prox, [f.hidden for f in pre], tc, world)
 
     sums = dict.fromkeys(_SUMS, 0.0)
     maxes = dict.fromkeys(_MAXES, 0.0)
@@ -150,6 +155,7 @@ def train_step(actor: ActorCritic, ref, opt, batch: TrainBatch, tc: TrainerConfi
                     sums["vf_sum"] += float(vf.detach())
                     sums["value_sum"] += float(v.detach()[m].sum())
                     sums["target_sum"] += float(targets[i][m].sum())
+                sums["shift_sum"] += float((p - mb.behavior_logprobs).abs()[m].sum())
                 if version is not None:
                     same = m & (mb.policy_version == version).unsqueeze(-1)
                     sums["gap_sum"] += float((f.logprobs.detach() - mb.behavior_logprobs).abs()[same].sum())
@@ -177,6 +183,7 @@ def train_step(actor: ActorCritic, ref, opt, batch: TrainBatch, tc: TrainerConfi
         "actor/pg_loss": sums["pg_sum"] / denom, "actor/entropy": sums["ent_sum"] / denom,
         "actor/clip_frac": sums["clip_sum"] / n, "actor/ratio_mean": sums["ratio_sum"] / n,
         "actor/ratio_max": maxes["ratio_max"], "actor/grad_norm": grad_norm,
+        "actor/behaviour_shift": sums["shift_sum"] / n,
         "is/weight_mean": sums["is_sum"] / n, "is/weight_max": maxes["is_max"], "is/clip_frac": sums["is_clipped"] / n,
         "trainer/padding_ratio": float(pad_t[0]) / world.size, "trainer/micro_batches": len(plan),
     }
