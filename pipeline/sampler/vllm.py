@@ -20,6 +20,7 @@ cache, no OpenMP thread pinning (the sampler's own thread count applies), eager 
 from __future__ import annotations
 
 import json
+import logging
 import os
 
 from ..models import load_tokenizer, localize, set_threads
@@ -36,6 +37,14 @@ RESERVED_OPTIONS = ("model", "tokenizer", "dtype", "seed", "logprobs_mode", "gen
 # Engine arguments named in the run config docs; anything else is passed through to `vllm.LLM`.
 KNOWN_OPTIONS = ("tensor_parallel_size", "gpu_memory_utilization", "max_model_len", "enable_prefix_caching",
                  "enforce_eager", "kv_cache_memory_bytes", "max_num_seqs", "max_num_batched_tokens")
+
+
+class _RotaryReloadNotice(logging.Filter):
+    """Drops vLLM's per-reload warning that rotary embeddings loaded no weights: their cos/sin
+    table is computed, never stored in a checkpoint, and the reload keeps it as it was."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.getMessage() != "RotaryEmbedding: Failed to load weights"
 
 
 def _cuda_available() -> bool:
@@ -88,6 +97,10 @@ class VLLMBackend(SamplerBackend):
             for key, value in CPU_ENV_DEFAULTS.items():
                 os.environ.setdefault(key, value)
             options.setdefault("enforce_eager", True)
+        options.setdefault("use_tqdm_on_load", False)  # a progress bar per reload would flood task logs
+        reload_log = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
+        if not any(isinstance(f, _RotaryReloadNotice) for f in reload_log.filters):
+            reload_log.addFilter(_RotaryReloadNotice())
         set_threads(threads)  # before the engine starts: its CPU worker then forbids changing it
         from vllm import LLM
 
