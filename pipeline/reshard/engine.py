@@ -3,9 +3,9 @@
 Order of work, so that bad input leaves no output and a retried task does no work:
 1. open and validate the source completely (shards, shapes, architecture, TP degree);
 2. if DST already holds a manifest: verify it and return it (same request) or refuse (different);
-3. stream: a reader thread reads whole tensors into a reused ring of memory while this thread
-   writes them (their checksums computed on another thread); the ring holds the largest tensor plus
-   64 MB, so peak memory stays near one tensor;
+3. stream: tensors whose bytes pass through unchanged go file to file (`copy_file_range`); the
+   others are read by a reader thread into a reused ring of memory (the largest tensor + 64 MB)
+   while this thread writes the previous one; checksums are computed on a third thread;
 4. publish the manifest create-only (the commit). On any error the files written are removed.
 """
 
