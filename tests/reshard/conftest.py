@@ -1,4 +1,4 @@
-"""A tiny Qwen2 model (fp32) and its trainer checkpoint, built once per session."""
+"""A tiny Qwen2 model (fp32) and its trainer checkpoint, built once per test run."""
 
 import os
 import shutil
