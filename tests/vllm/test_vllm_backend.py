@@ -139,3 +139,10 @@ def test_reload_invalidates_prompt_blocks_cached_with_old_weights(engine, model_
     engine.load_weights(versions[0])
     gap = measure_gap(engine, load_model(versions[0]).eval(), tokenizer.pad_token_id, long_prompts, 2, sampling)
     assert gap["mean_abs_gap"] < GAP_ALARM
+
+
+def test_unknown_engine_options_name_the_config_field(model_dir):
+    from pipeline.sampler.vllm import VLLMBackend
+
+    with pytest.raises(ValueError, match="sampler.vllm: an option is not a vllm.LLM argument"):
+        VLLMBackend(model_dir, options={"max_modle_len": 256})
