@@ -266,7 +266,7 @@ class LocalAirflow:
         exe = Path(sys.executable).with_name("airflow")
         return [str(exe)] if exe.exists() else [sys.executable, "-m", "airflow"]
 
-    def _cli(self, *args: str, timeout: float = 300, attempts: int = 3) -> str:
+    def _cli(self, *args: str, timeout: float = 300, attempts: int = 6) -> str:
         for attempt in range(attempts):
             out = subprocess.run([*self._airflow(), *args], env=self.env(), capture_output=True, text=True,
                                  timeout=timeout)
@@ -291,6 +291,12 @@ class LocalAirflow:
     def migrate(self) -> None:
         """Create or upgrade the metadata DB and the device pool (idempotent)."""
         self._cli("db", "migrate")
+        # WAL journal: readers no longer block the writer (the scheduler, the api-server and every
+        # task process share this file). The mode is stored in the file, so once is enough.
+        import sqlite3
+
+        with sqlite3.connect(self.home / "airflow.db") as db:
+            db.execute("PRAGMA journal_mode=WAL")
         self._cli("pools", "set", DEVICE_POOL, str(self.pool_slots),
                   "one slot per accelerator; sampler, trainer and finalize each hold one")
 
@@ -298,22 +304,38 @@ class LocalAirflow:
         if any(self.running().values()):
             raise AirflowError(f"Airflow of {self.home} is already running ({self.pids()}); run `rlhf airflow down`")
         self.migrate()
-        env = self.env()
-        pids: dict[str, int] = {}
         try:
-            for name, args in COMPONENTS.items():
-                log = open(self.log_file(name), "ab")
-                proc = subprocess.Popen([*self._airflow(), *args], env=env, stdout=log, stderr=subprocess.STDOUT,
-                                        stdin=subprocess.DEVNULL, start_new_session=True, cwd=str(self.home))
-                log.close()
-                pids[name] = proc.pid
-                self.pids_file.write_text(json.dumps(pids))
+            for name in COMPONENTS:
+                self._start(name)
             client = self.client()
             self.wait_healthy(client, wait_s)
             return client
         except BaseException:
             self.down()
             raise
+
+    def _start(self, name: str) -> int:
+        """Start one component in its own process group; its pid is recorded in pids.json."""
+        with open(self.log_file(name), "ab") as log:
+            proc = subprocess.Popen([*self._airflow(), *COMPONENTS[name]], env=self.env(), stdout=log,
+                                    stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
+                                    cwd=str(self.home))
+        self.pids_file.write_text(json.dumps({**self.pids(), name: proc.pid}))
+        return proc.pid
+
+    def _stop(self, name: str, grace_s: float = 30.0) -> None:
+        pid = self.pids().get(name)
+        if pid is None:
+            return
+        try:
+            os.killpg(pid, signal.SIGTERM)
+        except ProcessLookupError:
+            return
+        deadline = time.monotonic() + grace_s
+        while group_alive(pid) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        if group_alive(pid):
+            os.killpg(pid, signal.SIGKILL)
 
     def wait_healthy(self, client: AirflowClient, wait_s: float) -> dict:
         deadline = time.monotonic() + wait_s
@@ -359,7 +381,19 @@ class LocalAirflow:
                 "--max-active-runs", str(max_active_runs)]
         if conf:
             args += ["--dag-run-conf", json.dumps(conf)]
-        return self._cli(*args)
+        try:
+            return self._cli(*args, attempts=2)
+        except AirflowError as e:
+            if "database is locked" not in str(e) or not self.running().get("scheduler"):
+                raise
+        # SQLite only: creating the runs reads, then writes in one transaction, which fails while the
+        # scheduler commits every second on a busy machine. Write them with the scheduler stopped;
+        # the restarted scheduler then runs them. (Postgres deployments never get here.)
+        self._stop("scheduler")
+        try:
+            return self._cli(*args)
+        finally:
+            self._start("scheduler")
 
 
 # ------------------------------------------------------------------------------------------------

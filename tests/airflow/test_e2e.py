@@ -69,7 +69,7 @@ def deployment():
     previous_cache = os.environ.get("RLHF_CACHE")
     os.environ["RLHF_CACHE"] = str(cache)
     ensure_example("sort", 0)  # build the tiny model once, before the components compete for the cores
-    dates = last_sundays(2)
+    dates = last_sundays(3)  # a backfill over the last two also covers the week before (data interval)
     for i, day in enumerate(dates):
         write_rows(make_rows("sort", 64, seed=100 + i, split="train"), str(tmp / "prompts" / f"ds={day}" / "part-0.parquet"))
     af = LocalAirflow(home=tmp / "airflow", port=free_port(), runs_root=str(tmp / "runs"),
@@ -209,8 +209,8 @@ def test_dashboard_requires_a_token_and_reports_the_run(deployment, train_run):
 
 
 def test_backfill_of_two_dates_gives_two_runs_with_separate_run_directories(deployment):
-    af, client, dates = deployment["af"], deployment["client"], deployment["dates"]
-    af.backfill("rlhf_retrain", dates[0], dates[-1], conf=RETRAIN_CONF, max_active_runs=1)
+    af, client, partitions = deployment["af"], deployment["client"], deployment["dates"]
+    af.backfill("rlhf_retrain", partitions[-2], partitions[-1], conf=RETRAIN_CONF, max_active_runs=1)
     deadline = time.monotonic() + 2 * RUN_TIMEOUT_S
     while True:
         runs = [r for r in client.dag_runs("rlhf_retrain") if r["run_type"] == "backfill"]
@@ -218,11 +218,14 @@ def test_backfill_of_two_dates_gives_two_runs_with_separate_run_directories(depl
             break
         assert time.monotonic() < deadline, [(r["dag_run_id"], r["state"]) for r in runs]
         time.sleep(5)
-    assert sorted(r["logical_date"][:10] for r in runs) == dates
+    dates = sorted(r["logical_date"][:10] for r in runs)
+    assert len(dates) == 2 and set(dates) <= set(partitions), dates  # each run reads its own week's prompts
     assert [r["state"] for r in runs] == ["success", "success"], runs
     runs_root = deployment["tmp"] / "runs"
-    for day in dates:
-        assert (runs_root / f"rlhf_retrain-{day}" / "summary.json").exists()
+    made = sorted(p.name for p in runs_root.iterdir() if p.name.startswith("rlhf_retrain-"))
+    assert made == [f"rlhf_retrain-{day}" for day in dates]
+    for name in made:
+        assert (runs_root / name / "summary.json").exists()
     registry = json.loads((runs_root / "registry" / "rlhf_retrain.json").read_text())["runs"]
     assert sorted(registry) == dates
     assert registry[dates[0]]["started_from"] is None
