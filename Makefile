@@ -20,7 +20,7 @@ demo: $(STAMP)
 	$(BIN)/rlhf run configs/tiny-grpo.yaml
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -p no:cacheprovider
+	$(BIN)/python -m pytest -q -p no:cacheprovider --ignore=tests/vllm
 
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not integration"

@@ -15,6 +15,7 @@ import logging
 import random
 import time
 import uuid
+import zlib
 from datetime import datetime, timezone
 
 from ..buffer import ReplayBuffer
@@ -78,7 +79,7 @@ def run_sampler(run_url: str, sampler_id: str = "sampler-0") -> dict:
     policy_dir = store.local_dir(version)
     tokenizer = load_tokenizer(policy_dir)
     backend = make_backend(sc.backend, policy_dir, dtype=cfg.model.dtype, threads=sc.threads,
-                           seed=cfg.seed + hash(sampler_id) % 1000, options=sc.vllm,
+                           seed=cfg.seed + zlib.crc32(sampler_id.encode()) % 1000, options=sc.vllm,
                            max_batch_tokens=sc.max_batch_tokens)
     buffer = ReplayBuffer(run.buffer_url, cfg.buffer)
     writer = buffer.writer(sampler_id)
