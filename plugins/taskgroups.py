@@ -1,10 +1,9 @@
 """The task graph of one RLHF training run, shared by `rlhf_train` and `rlhf_retrain`.
 
-    prepare ─┬─► sampler ─────────────────────────────────────────────┐ (runs until stopped)
-             ├─► trainer ──────────────────────────┬─► stop_sampler ◄─┘ (teardown)
+    prepare ─┬─► sampler                        (runs until the stop marker appears)
+             ├─► trainer ──────────────────────┬─► stop_sampler (teardown: writes the stop marker)
              ├─► phase[k]: wait_checkpoint ─► reshard ─┐
-             ├─► replay_gate[e] ───────────────────────┼─► finalize (Asset event)
-             └──────────────────────────────────────────┘
+             ├─► replay_gate[e] ───────────────────────┴─► finalize (after the trainer too; Asset event)
     every task ─► watcher (fails the run when any task failed)
 
 Phases and replay epochs are run parameters, so their tasks are mapped over the lists `prepare`
@@ -16,6 +15,7 @@ from __future__ import annotations
 
 import os
 from datetime import timedelta
+
 from airflow.sdk import Asset, task, task_group, teardown
 from airflow.sdk.exceptions import AirflowException
 
@@ -114,6 +114,9 @@ def training_run(dag_id: str, prepared, *, poke_interval: float = 5.0) -> dict:
     ).expand(epoch=plan_replay_epochs(prepared["replay_epochs"]))
     finalize = FinalizeRunOperator(task_id="finalize", run_url=run_url, outlets=[policy_asset(dag_id)],
                                    **device, execution_timeout=timedelta(hours=2), retries=1,
+                                   # With replay_epochs=0 the gate mapping is empty, hence skipped:
+                                   # that must not skip finalize. A failure upstream still does.
+                                   trigger_rule="none_failed",
                                    retry_delay=timedelta(seconds=10))
     # A fresh teardown per DAG: the decorator keeps state between calls.
     stop = teardown(task(task_id="stop_sampler")(_stop_sampler))(run_url)

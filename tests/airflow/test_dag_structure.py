@@ -48,6 +48,8 @@ def test_replay_gates_are_mapped_over_the_epoch_list(dag):
 
 def test_finalize_waits_for_trainer_reshards_and_gates_and_emits_the_policy_asset(dag):
     assert {"trainer", "phase.reshard", "replay_gate"} <= upstream(dag, "finalize")
+    # an empty mapping (replay_epochs=0) is skipped; finalize must still run, but not after a failure
+    assert dag.get_task("finalize").trigger_rule == "none_failed"
     outlets = dag.get_task("finalize").outlets
     assert [a.name for a in outlets] == [f"{dag.dag_id}.policy"]
 
