@@ -110,8 +110,8 @@ class TrainerConfig(_Section):
     """Decoupled PPO: clip against the proximal (current) policy, correct behaviour->proximal by truncated IS."""
     is_level: Literal["token", "sequence", "none"] = "token"
     """Truncated importance sampling of behaviour -> proximal policy: per token, per sequence (product), or off."""
-    is_clip: float = Field(2.0, gt=0)
-    """Truncation C of the importance weights: w = min(pi_prox / mu, C)."""
+    is_clip: float = Field(1.0, gt=0)
+    """Truncation C of the importance weights: w = min(pi_prox / mu, C); 1 never up-weights stale tokens (V-trace's rho-bar)."""
     vf_coef: float = Field(0.5, ge=0)
     """Weight of the critic's value loss (ppo)."""
     critic_lr: float | None = None

@@ -69,7 +69,7 @@ def is_weights(prox_logprobs: torch.Tensor, behavior_logprobs: torch.Tensor, mas
 
 def policy_loss(logprobs: torch.Tensor, prox_logprobs: torch.Tensor, behavior_logprobs: torch.Tensor,
                 advantages: torch.Tensor, mask: torch.Tensor, *, clip_eps: float = 0.2, decoupled: bool = True,
-                is_level: str = "token", is_clip: float = 2.0) -> tuple[torch.Tensor, dict]:
+                is_level: str = "token", is_clip: float = 1.0) -> tuple[torch.Tensor, dict]:
     """Per-token policy loss [B, T] and its statistics (sums and counts, see `StepStats`).
 
     `advantages` is [B] (per sequence) or [B, T]; `prox_logprobs` must carry no gradient."""
