@@ -209,6 +209,7 @@ class LocalAirflow:
         return self.home / "logs" / f"{component}.log"
 
     def _secret(self, name: str, nbytes: int) -> str:
+        self.home.mkdir(parents=True, exist_ok=True)
         path = self.home / name
         if not path.exists():
             path.write_text(secrets.token_hex(nbytes))
@@ -216,6 +217,7 @@ class LocalAirflow:
         return path.read_text().strip()
 
     def credentials(self) -> tuple[str, str]:
+        self.home.mkdir(parents=True, exist_ok=True)
         if not self.passwords_file.exists():
             self.passwords_file.write_text(json.dumps({"admin": secrets.token_urlsafe(12)}))
             self.passwords_file.chmod(0o600)

@@ -86,6 +86,13 @@ def test_local_airflow_binds_loopback_with_a_long_jwt_secret_and_the_repo_folder
     assert oct((tmp_path / "home" / "passwords.json").stat().st_mode & 0o777) == "0o600"
 
 
+def test_credentials_on_a_fresh_home_are_created_and_stable(tmp_path):
+    from pipeline.airflow_local import LocalAirflow
+
+    af = LocalAirflow(home=tmp_path / "new" / "home")
+    assert af.credentials() == LocalAirflow(home=tmp_path / "new" / "home").credentials()
+
+
 def test_down_without_a_running_deployment_is_a_no_op(tmp_path):
     from pipeline.airflow_local import LocalAirflow
 
