@@ -14,7 +14,7 @@ Builds a synthetic trainer checkpoint (dcp:2 layout) with the real Qwen2-0.5B sh
 Reshard times are the `reshard()` call inside the child (not interpreter start-up); peak RSS is the
 child's ru_maxrss (so it includes the ~270 MB of the imported libraries). CPU seconds of each
 step and the load average are printed too: on a shared machine the wall-clock ratio mostly says how
-much CPU each step needs (the reshard also computes sha256 of every byte it writes; cp does not). With --repeat > 1 the
+much CPU each step needs (the reshard also checksums every byte it writes; cp does not). With --repeat > 1 the
 three are interleaved and each keeps its fastest time. Every step starts after a `sync`, so none
 inherits the dirty pages of the one before. Prints one JSON line; deletes its files.
 """

@@ -17,7 +17,7 @@ HF_SINGLE = "model.safetensors"
 DCP_DIR = "dcp"
 HF_META_DIR = "hf"
 MODEL_PREFIX = "model."  # DCP key prefix of model parameters in a trainer checkpoint
-MANIFEST_VERSION = 1
+MANIFEST_VERSION = 2  # 2: files carry xxh3_128 checksums (1: sha256)
 
 # safetensors dtype codes (https://github.com/huggingface/safetensors, format spec)
 ST_DTYPES: dict[str, torch.dtype] = {

@@ -6,9 +6,9 @@ Keys (a superset of what `pipeline.policy.PolicyStore` reads):
     step              trainer step the weights come from, or null
     source_format     format of the source
     architecture      e.g. "Qwen2ForCausalLM"
-    files             {relative path: {"bytes", "sha256"}} for every file of the output
+    files             {relative path: {"bytes", "xxh3_128"}} for every file of the output
     tensors           per-parameter layout (file, or TP split), see `sinks`
-    manifest_version  1
+    manifest_version  2 (1: the checksum of each file was "sha256"; such manifests still verify)
 No timestamps: re-running the same reshard produces the same bytes.
 """
 
@@ -18,7 +18,7 @@ import json
 from dataclasses import dataclass, field
 
 from ..storage import read_bytes, url_to_fs
-from .files import file_sha256
+from .files import CHECKSUMS, file_checksum
 from .layout import MANIFEST, ReshardError
 
 
@@ -53,7 +53,8 @@ class Verification:
 
 
 def verify(url: str) -> Verification:
-    """Check every file listed in the manifest: present, same size, same sha256."""
+    """Check every file listed in the manifest: present, same size, same checksum (with the
+    algorithm its entry names: "xxh3_128", or "sha256" in manifests of version 1)."""
     fs, root = url_to_fs(url)
     out = Verification(url)
     manifest = read_manifest(fs, root)
@@ -77,9 +78,15 @@ def verify(url: str) -> Verification:
         if size != want.get("bytes"):
             out.problems.append(f"{rel} has {size} bytes, manifest says {want.get('bytes')}")
             continue
-        n, digest = file_sha256(fs, path)
-        if digest != want.get("sha256"):
-            out.problems.append(f"{rel} sha256 {digest[:12]}... differs from the manifest's {str(want.get('sha256'))[:12]}...")
+        algorithm = next((a for a in CHECKSUMS if a in want), None)
+        if algorithm is None:
+            out.problems.append(f"{rel} has no checksum in the manifest (one of {', '.join(CHECKSUMS)})")
+            continue
+        n, digest = file_checksum(fs, path, algorithm)
+        if digest != want[algorithm]:
+            out.problems.append(
+                f"{rel} {algorithm} {digest[:12]}... differs from the manifest's {str(want[algorithm])[:12]}..."
+            )
             continue
         out.files += 1
         out.bytes += n

@@ -28,7 +28,7 @@ from .safetensors_io import SafetensorsWriter
 class Sink:
     def __init__(self, fs, root: str, pipe: HashPipe | None = None):
         self.fs, self.root, self.pipe = fs, root, pipe
-        self.files: dict[str, dict] = {}  # committed: relative path -> {"bytes", "sha256"}
+        self.files: dict[str, dict] = {}  # committed: relative path -> {"bytes", "xxh3_128"}
         self.manifest_fields: dict = {}
         self._open: list[OutFile] = []
 

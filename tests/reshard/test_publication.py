@@ -52,9 +52,48 @@ def test_rerun_over_a_damaged_output_refuses_instead_of_trusting_it(trainer_ckpt
         f.seek(-1, 1)
         f.write(bytes([byte[0] ^ 0xFF]))
     report = verify(out)
-    assert not report.ok and "model.safetensors sha256" in report.problems[0]
+    assert not report.ok and "model.safetensors xxh3_128" in report.problems[0]
     with pytest.raises(ReshardError, match="does not verify"):
         reshard(trainer_ckpt, out, to="hf")
+
+
+def test_version_1_outputs_with_sha256_checksums_still_verify_and_are_reused(trainer_ckpt, tmp_path, monkeypatch):
+    import hashlib
+
+    out = str(tmp_path / "tp2")
+    reshard(trainer_ckpt, out, to="tp:2")
+    path = os.path.join(out, "manifest.json")
+    m = json.load(open(path))
+    for rel, entry in m["files"].items():
+        with open(os.path.join(out, rel), "rb") as f:
+            m["files"][rel] = {"bytes": entry["bytes"], "sha256": hashlib.sha256(f.read()).hexdigest()}
+    m["manifest_version"] = 1
+    with open(path, "w") as f:
+        json.dump(m, f)
+    assert verify(out).ok and verify(out).files == len(m["files"])
+
+    from pipeline.reshard import engine
+
+    def no_stream(*a, **k):
+        raise AssertionError("a re-run over a verified output must not stream tensors again")
+
+    monkeypatch.setattr(engine, "_stream", no_stream)
+    again, created = publish(trainer_ckpt, out, "tp:2")
+    assert not created and again == m
+    monkeypatch.undo()
+
+    rank0 = os.path.join(out, m["rank_files"][0])
+    with open(rank0, "r+b") as f:
+        f.seek(-3, 2)
+        byte = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([byte[0] ^ 0x01]))
+    report = verify(out)
+    assert [p.split(" ")[:2] for p in report.problems] == [[m["rank_files"][0], "sha256"]]
+    m["files"][m["rank_files"][0]].pop("sha256")
+    with open(path, "w") as f:
+        json.dump(m, f)
+    assert "has no checksum" in verify(out).problems[0]
 
 
 def test_verify_reports_missing_files_and_uncommitted_folders(trainer_ckpt, tmp_path):
@@ -87,7 +126,7 @@ def test_policy_store_publishes_through_reshard_with_its_manifest_keys(tiny, tra
     assert not store.publish_folder(0, full)  # a retried task
     m = store.manifest(0)
     assert (m["version"], m["format"], m["source"]) == (0, "hf", "builtin")
-    assert set(m["files"]["model.safetensors"]) == {"bytes", "sha256"}
+    assert set(m["files"]["model.safetensors"]) == {"bytes", "xxh3_128"} and m["manifest_version"] == 2
 
     from pipeline.models import load_tokenizer
 
