@@ -146,6 +146,7 @@ class Trainer:
         self.metrics = run.metrics("trainer") if world.is_main else NullMetrics()
         self.replayed_samples = 0
         self.fresh_samples = 0
+        self.skipped_epochs: list[int] = []  # replay epochs that never had enough eligible groups
 
     # one fresh step ---------------------------------------------------------------------------
     def fresh_step(self) -> dict:
@@ -236,6 +237,7 @@ class Trainer:
                 if st.step < tc.steps:
                     break
                 log.info("replay epoch %d skipped: %d eligible groups < trainer.groups_per_step", e, eligible)
+                self.skipped_epochs.append(e)
             else:
                 self.replay_epoch(e)
             st.replay_epochs_done = e + 1
@@ -274,7 +276,8 @@ class Trainer:
         finally:
             self.metrics.flush()
         if st.step >= tc.steps and world.is_main:
-            run.set_marker("trainer_done", {"step": st.step})
+            # orchestrators stop waiting on the gates of skipped epochs (they will never open)
+            run.set_marker("trainer_done", {"step": st.step, "replay_epochs_skipped": self.skipped_epochs})
         return {"step": st.step, "updates": st.updates}
 
 

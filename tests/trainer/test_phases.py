@@ -85,6 +85,20 @@ def test_trainer_waits_for_the_replay_gate_then_replays_and_phases_reach_the_sam
     assert all(torch.equal(published[k], saved[k]) for k in saved)
 
 
+def test_replay_epochs_without_eligible_groups_are_skipped_not_waited_for(tmp_path):
+    """Groups without reward variance never reach L2: the gate could never open, so the trainer
+    must finish (and say which epochs it skipped) instead of waiting for it."""
+    import test_resume as tr
+
+    config = {**tr.CONFIG, "trainer": {**tr.CONFIG["trainer"], "steps": 2, "replay_epochs": 2, "checkpoint_every": 0,
+                                       "wait_timeout_s": 5}}
+    url = tr.make_run(tmp_path / "run", config, constant_reward=0.5)
+    tr.trainer(url)
+    run = RunDir(url)
+    assert run.marker("trainer_done")["replay_epochs_skipped"] == [0, 1]
+    assert not any(r.get("replay/is_replay") for r in run.read_metrics("trainer"))
+
+
 def test_checkpoint_layout_is_what_the_reshard_reader_expects(tmp_path):
     import test_resume as tr
 

@@ -38,7 +38,7 @@ CONFIG = {
 }
 
 
-def make_run(path, config: dict | None = None) -> str:
+def make_run(path, config: dict | None = None, constant_reward: float | None = None) -> str:
     """A prepared run directory whose L1 already holds every step's groups, in a fixed order."""
     run = prepare(parse_config(config or CONFIG), run_url=str(path))
     tok = load_tokenizer(PolicyStore(run).local_dir(0))
@@ -46,7 +46,7 @@ def make_run(path, config: dict | None = None) -> str:
     buf = ReplayBuffer(run.buffer_url, run.config().buffer)
     with buf.writer("test") as w:
         for shard in range(2 * N + 1):
-            w.write(synthetic_shard(tok, prompts, shard, GROUPS, GROUP_SIZE, seed=0))
+            w.write(synthetic_shard(tok, prompts, shard, GROUPS, GROUP_SIZE, seed=0, constant_reward=constant_reward))
     return run.url
 
 

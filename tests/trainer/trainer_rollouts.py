@@ -26,10 +26,10 @@ def rollout_table(tok, rewards, versions=None, group_size: int = 4):
 
 
 def synthetic_shard(tok, prompts: list[list[int]], shard: int, groups: int, group_size: int, seed: int,
-                    max_len: int = 8):
+                    max_len: int = 8, constant_reward: float | None = None):
     """`groups` groups of random answers over the digit tokens, with rewards that favour answers
     rich in the digit 7 (so training on them has a direction), behaviour log-probs of a uniform
-    sampler over 10 digits, policy version 0."""
+    sampler over 10 digits, policy version 0. `constant_reward`: every row earns it (no variance)."""
     rng = random.Random(seed * 1000 + shard)
     digits = [tok(str(d), add_special_tokens=False)["input_ids"][0] for d in range(10)]
     rows = []
@@ -40,7 +40,7 @@ def synthetic_shard(tok, prompts: list[list[int]], shard: int, groups: int, grou
         for j in range(group_size):
             n = rng.randint(1, max_len)
             resp = [rng.choice(digits) for _ in range(n)]
-            reward = sum(t == digits[7] for t in resp) / n
+            reward = sum(t == digits[7] for t in resp) / n if constant_reward is None else constant_reward
             rows.append({
                 "sample_id": f"{gid}-{j}", "prompt_id": f"p{g}", "group_id": gid, "data_source": "builtin/digit",
                 "prompt_token_ids": prompt, "response_token_ids": resp, "response_text": "",
