@@ -1,4 +1,6 @@
 import os
+import shutil
+import tempfile
 
 import pytest
 
@@ -10,11 +12,18 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
 @pytest.fixture(scope="session", autouse=True)
-def _example_cache(tmp_path_factory):
-    """Built-in examples go to a per-session cache unless RLHF_CACHE is set by the caller."""
-    if "RLHF_CACHE" not in os.environ:
-        os.environ["RLHF_CACHE"] = str(tmp_path_factory.mktemp("rlhf-cache"))
-    yield
+def _example_cache():
+    """Built-in examples go to a per-session cache unless RLHF_CACHE is set by the caller. Not under
+    pytest's basetemp: pytest prunes old temp folders, also those of a concurrent session."""
+    if "RLHF_CACHE" in os.environ:
+        yield
+        return
+    path = tempfile.mkdtemp(prefix="rlhf-test-cache-")
+    os.environ["RLHF_CACHE"] = path
+    try:
+        yield
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")
