@@ -6,8 +6,10 @@ in this process, identical except for replay:
 - off: every rollout is trained on once (trainer.replay_epochs = 0);
 - on:  groups that pass the quality filter go to L2 and are replayed up to
        `buffer.num_epochs_per_sample` = 2 more times, drawn by priority, in one replay epoch after
-       every `--replay-every` fresh steps (decoupled PPO loss with truncated IS and prioritized-
-       replay weights).
+       every `--replay-every` fresh steps, with prioritized-replay weights.
+
+Both runs use the decoupled PPO objective (truncated IS from the stored behaviour log-probs),
+whatever the config says; `--set trainer.decoupled=false` measures the behaviour-anchored clip.
 
 For each run, the policy versions 0, k, 2k, ... are scored on the held-out prompts (greedy, the
 task's reward). Generated tokens of version v = response tokens the sampler had generated when the
@@ -103,7 +105,7 @@ def main() -> None:
     logging.basicConfig(level=logging.WARNING)
 
     common = [f"trainer.steps={args.steps}", f"data.eval_size={args.eval_size}", "trainer.checkpoint_every=0",
-              *args.set]
+              "trainer.decoupled=true", *args.set]
     off = [*common, "trainer.replay_epochs=0"]
     on = [*common, f"trainer.replay_epochs={max(1, args.steps // args.replay_every)}",
           "buffer.num_epochs_per_sample=2"]
