@@ -3,6 +3,8 @@ and reads straight into tensor memory (no intermediate `bytes` copy of a large t
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import hashlib
 import os
 import queue
@@ -29,6 +31,23 @@ CHECKSUMS = {"xxh3_128": xxhash.xxh3_128, "sha256": hashlib.sha256}
 
 def new_checksum(algorithm: str = CHECKSUM):
     return CHECKSUMS[algorithm]()
+
+
+WRITEBACK = 32 << 20  # start the disk write of every this many bytes written, as they are written
+_SYNC_FILE_RANGE_WRITE = 2
+
+
+def _sync_file_range():
+    try:
+        fn = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True).sync_file_range
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_start_writeback = _sync_file_range()  # None where the C library lacks it: fsync alone then
 
 
 def tensor_bytes(t: torch.Tensor) -> memoryview:
@@ -133,6 +152,7 @@ class OutFile:
             os.makedirs(folder, exist_ok=True)
             self._tmp = os.path.join(folder, f".{name}.tmp-{uuid.uuid4().hex}")
             self._f = open(self._tmp, "wb", buffering=0)
+            self._written_back = 0
         else:
             self._tmp = None
             self._f = fs.open(path, "wb")
@@ -154,6 +174,7 @@ class OutFile:
             while done < len(part):
                 done += self._f.write(part[done:])
         self.bytes += len(view)
+        self._writeback()
         return len(view)
 
     def copy_from(self, segments: list[tuple[int, int, int]], data=None) -> int:
@@ -191,7 +212,18 @@ class OutFile:
                 while len(rest):
                     rest = rest[self._f.write(rest):]
         self.bytes += total
+        self._writeback()
         return total
+
+    def _writeback(self) -> None:
+        """Start (not wait for) the disk write of what was written since the last call, every
+        WRITEBACK bytes: the disk then works while later tensors are copied, instead of all of it
+        waiting for the fsync in `commit()`, which still makes the file durable. The pages stay
+        cached, so a reader of the output right after is not slowed."""
+        if self._tmp is None or _start_writeback is None or self.bytes - self._written_back < WRITEBACK:
+            return
+        _start_writeback(self._f.fileno(), self._written_back, self.bytes - self._written_back, _SYNC_FILE_RANGE_WRITE)
+        self._written_back = self.bytes  # a failed hint (e.g. unsupported here) changes nothing; fsync follows
 
     def tell(self) -> int:
         return self.bytes

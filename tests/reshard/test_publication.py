@@ -221,3 +221,27 @@ def test_local_bytes_pass_through_the_kernel_copy_and_still_match_their_checksum
     assert verify(str(tmp_path / "hf")).ok and verify(str(tmp_path / "tp2")).ok
     state = load_state_dict(str(tmp_path / "hf"))
     assert all(torch.equal(v, state[k]) for k, v in tiny[0].state_dict().items())
+
+
+def test_early_writeback_while_writing_changes_no_byte(trainer_ckpt, tmp_path, monkeypatch):
+    from pipeline.reshard import files
+
+    plain = {to: str(tmp_path / f"plain-{to}") for to in ("hf", "tp:2")}
+    for to, out in plain.items():
+        reshard(trainer_ckpt, out, to=to)
+    calls = []
+    real = files._start_writeback
+    assert real is not None, "sync_file_range should be available on Linux"
+
+    def spy(fd, offset, length, flags):
+        calls.append((offset, length))
+        return real(fd, offset, length, flags)
+
+    monkeypatch.setattr(files, "_start_writeback", spy)
+    monkeypatch.setattr(files, "WRITEBACK", 4096)
+    for to, out in plain.items():
+        early = str(tmp_path / f"early-{to}")
+        reshard(trainer_ckpt, early, to=to)
+        assert verify(early).ok
+        assert {k: v[0] for k, v in _snapshot(early).items()} == {k: v[0] for k, v in _snapshot(out).items()}
+    assert len(calls) > 10 and all(length >= 4096 for _, length in calls)
