@@ -8,8 +8,9 @@ in this process, identical except for replay:
        `buffer.num_epochs_per_sample` = 2 more times, drawn by priority, in one replay epoch after
        every `--replay-every` fresh steps, with prioritized-replay weights.
 
-Both runs use the decoupled PPO objective (truncated IS from the stored behaviour log-probs),
-whatever the config says; `--set trainer.decoupled=false` measures the behaviour-anchored clip.
+Both runs use the config's policy objective. The demo config clips the ratio to the stored
+behaviour log-probs (a trust region around the sampler's policy: stale replayed tokens outside it
+get no gradient); `--set trainer.decoupled=true` measures the decoupled objective instead.
 
 For each run, the policy versions 0, k, 2k, ... are scored on the held-out prompts (greedy, the
 task's reward). Generated tokens of version v = response tokens the sampler had generated when the
@@ -105,7 +106,7 @@ def main() -> None:
     logging.basicConfig(level=logging.WARNING)
 
     common = [f"trainer.steps={args.steps}", f"data.eval_size={args.eval_size}", "trainer.checkpoint_every=0",
-              "trainer.decoupled=true", *args.set]
+              *args.set]
     off = [*common, "trainer.replay_epochs=0"]
     on = [*common, f"trainer.replay_epochs={max(1, args.steps // args.replay_every)}",
           "buffer.num_epochs_per_sample=2"]

@@ -10,7 +10,10 @@ tokens. Three policies appear (Hilton et al. 2021, "decoupled PPO"; AReaL):
 
 Decoupled objective per token:  -w * min(r A, clip(r, 1-eps, 1+eps) A), with r = pi_theta / pi_prox
 and w = min(pi_prox / mu, C) (truncated IS, per token or per sequence). With `decoupled=False`
-the ratio is taken against mu directly (classic PPO, correct only for fresh data).
+the ratio is taken against mu directly (classic PPO: the ratio is the IS weight and its clip a
+trust region around mu; stale tokens outside the region get no gradient). With one optimizer
+update per batch pi_prox = pi_theta, so the decoupled clip binds only with `update_epochs` > 1;
+on the tiny demo the behaviour-anchored clip learns more stably (see bench/reuse.py).
 
 Gradient accumulation: losses are sums divided by a denominator computed once for the whole
 batch (`denominator`), so summing micro-batch losses gives exactly the full-batch loss.
@@ -76,12 +79,11 @@ def policy_loss(logprobs: torch.Tensor, prox_logprobs: torch.Tensor, behavior_lo
     if advantages.dim() == 1:
         advantages = advantages.unsqueeze(-1).expand_as(logprobs)
     m = mask > 0
-    if decoupled:
-        w, raw = is_weights(prox_logprobs, behavior_logprobs, mask, is_level, is_clip)
-        anchor = prox_logprobs
-    else:
-        w, raw = torch.ones_like(mask), torch.ones_like(mask)
-        anchor = behavior_logprobs
+    w, raw = is_weights(prox_logprobs, behavior_logprobs, mask, is_level if decoupled else "token", is_clip)
+    anchor = prox_logprobs
+    if not decoupled:
+        # the ratio to the behaviour policy is itself the IS weight; `raw` stays as a diagnostic
+        w, anchor = torch.ones_like(mask), behavior_logprobs
     ratio = torch.exp((logprobs - anchor).clamp(-20, 20))
     unclipped = ratio * advantages
     clipped = ratio.clamp(1 - clip_eps, 1 + clip_eps) * advantages
