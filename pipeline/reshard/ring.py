@@ -21,7 +21,9 @@ ALIGN = 64
 class TensorRing:
     def __init__(self, capacity: int):
         self.capacity = -(-max(capacity, ALIGN) // ALIGN) * ALIGN
-        self._map = mmap.mmap(-1, self.capacity)
+        # private, not shared: shared anonymous memory is shmem, which takes huge pages only where
+        # shmem_enabled allows (commonly never); private memory takes them on MADV_HUGEPAGE
+        self._map = mmap.mmap(-1, self.capacity, flags=mmap.MAP_PRIVATE)
         if hasattr(mmap, "MADV_HUGEPAGE"):
             try:
                 self._map.madvise(mmap.MADV_HUGEPAGE)
@@ -36,10 +38,10 @@ class TensorRing:
         if not self._live:
             return 0 if n <= self.capacity else None
         oldest, newest = self._live[0][0], self._live[-1]
-        if newest[0] >= oldest:  # live bytes are [oldest, newest end): room after them, or before them
-            if newest[1] + n <= self.capacity:
-                return newest[1]
-            return 0 if n <= oldest else None
+        if newest[0] >= oldest:  # live bytes are [oldest, newest end): room before them, or after them
+            if n <= oldest:
+                return 0  # the front first: the memory in use stays small and warm when tensors are small
+            return newest[1] if newest[1] + n <= self.capacity else None
         return newest[1] if newest[1] + n <= oldest else None  # wrapped: room is [newest end, oldest)
 
     def take(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
