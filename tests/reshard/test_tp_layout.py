@@ -63,3 +63,15 @@ def test_tp_degree_that_does_not_divide_the_heads_is_refused_before_any_output(t
 def test_unknown_format_names_the_accepted_ones(tiny, tmp_path):
     with pytest.raises(ReshardError, match="'hf', 'tp:N' or 'dcp:N'"):
         reshard(tiny[2], str(tmp_path / "x"), to="tp:two")
+
+
+def test_row_parallel_slices_read_across_checkpoint_chunks_match_the_original(tiny, trainer_ckpt, tmp_path):
+    model, _, _ = tiny
+    ref = model.state_dict()
+    reshard(trainer_ckpt, str(tmp_path / "dcp3"), to="dcp:3")  # each tensor in three files, rows split unevenly
+    reshard(str(tmp_path / "dcp3"), str(tmp_path / "tp4"), to="tp:4")
+    _, ranks = _ranks(str(tmp_path / "tp4"))
+    for i in range(2):
+        for name in (f"model.layers.{i}.self_attn.o_proj.weight", f"model.layers.{i}.mlp.down_proj.weight"):
+            for r in range(4):
+                assert torch.equal(ranks[r][name], ref[name].chunk(4, dim=1)[r]), (name, r)
