@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml constraints.txt
 install: $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/rlhf run configs/tiny-grpo.yaml
+	$(BIN)/rlhf airflow demo
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -p no:cacheprovider --ignore=tests/vllm

@@ -6,8 +6,6 @@ tokenizer, manifest last).
 
 Phase boundary (`publish_phase_checkpoint`): the checkpoint closing a phase becomes `policy/v<step>`
 through `pipeline.reshard.publish_checkpoint` (the DAG's reshard task calls the same function).
-Where the reshard package does not provide it, the checkpoint is converted here, reading the
-DCP model entries at any saved world size.
 """
 
 from __future__ import annotations
@@ -19,7 +17,6 @@ import torch
 
 from ..policy import PolicyStore
 from ..runs import RunDir
-from ..storage import list_names, url_to_fs
 from .distributed import World
 
 
@@ -53,32 +50,8 @@ def publish_policy(run: RunDir, version: int, actor, tokenizer, world: World, me
     return published
 
 
-def _convert_checkpoint(run_url: str, checkpoint_url: str, version: int) -> bool:
-    from transformers import AutoConfig
-
-    from .checkpoint import load_model_weights
-
-    run = RunDir(run_url)
-    store = PolicyStore(run)
-    if store.exists(version):
-        return False
-    fs, path = url_to_fs(checkpoint_url)
-    with tempfile.TemporaryDirectory(prefix="reshard-") as tmp:
-        for name in list_names(fs, f"{path}/hf"):
-            fs.get_file(f"{path}/hf/{name}", os.path.join(tmp, name))
-        AutoConfig.from_pretrained(tmp, local_files_only=True)  # fails fast on a broken config
-        from safetensors.torch import save_file
-
-        weights = load_model_weights(checkpoint_url)
-        save_file({k: v.contiguous() for k, v in weights.items()}, os.path.join(tmp, "model.safetensors"),
-                  metadata={"format": "pt"})
-        return store.publish_folder(version, tmp, {"step": version, "source": checkpoint_url})
-
-
 def publish_phase_checkpoint(run_url: str, checkpoint_url: str, version: int) -> bool:
     """Reshard a trainer checkpoint into `policy/v<version>/` (idempotent)."""
-    try:
-        from ..reshard import publish_checkpoint
-    except ImportError:
-        publish_checkpoint = _convert_checkpoint
+    from ..reshard import publish_checkpoint
+
     return bool(publish_checkpoint(run_url, checkpoint_url, version))

@@ -76,6 +76,11 @@ class RunDirHook(BaseHook):
         self.run.fs.invalidate_cache()
         return self.run.stop_requested()
 
+    def replay_epoch_skipped(self, epoch: int) -> bool:
+        """True when the trainer finished without replay epoch `epoch` (too few eligible groups)."""
+        done = self.marker(TRAINER_DONE_MARKER) or {}
+        return int(epoch) in {int(e) for e in done.get("replay_epochs_skipped", [])}
+
     def request_stop(self, reason: str) -> None:
         if not self.run.stop_requested():
             self.run.request_stop(reason)

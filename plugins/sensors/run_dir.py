@@ -13,7 +13,7 @@ from datetime import timedelta
 from typing import Any
 
 from airflow.sdk import BaseSensorOperator, PokeReturnValue
-from airflow.sdk.exceptions import AirflowException
+from airflow.sdk.exceptions import AirflowException, AirflowSkipException
 
 from plugins.hooks.run_dir import RunDirHook, phase_done_marker, replay_gate_marker
 from plugins.triggers.run_dir import ReplayGateTrigger, RunMarkerTrigger
@@ -109,6 +109,9 @@ class ReplayGateSensor(BaseSensorOperator):
                                                              "eligible": existing.get("eligible")})
         eligible = hook.eligible_replay_groups()
         if eligible < self._threshold(hook):
+            if hook.replay_epoch_skipped(int(self.epoch)):
+                raise AirflowSkipException(f"the trainer finished without replay epoch {self.epoch} "
+                                           f"({eligible} eligible groups)")
             return PokeReturnValue(is_done=False)
         return PokeReturnValue(is_done=True, xcom_value=self._open(hook, eligible))
 
@@ -127,5 +130,7 @@ class ReplayGateSensor(BaseSensorOperator):
         )
 
     def execute_complete(self, context, event: dict[str, Any] | None = None) -> dict:
+        if event and event.get("status") == "skipped":
+            raise AirflowSkipException(event["message"])
         event = _raise_on_error(event)
         return self._open(RunDirHook(self.run_url), event.get("eligible"))

@@ -85,6 +85,11 @@ class ReplayGateTrigger(BaseTrigger):
                 yield TriggerEvent({"status": "success", "epoch": self.epoch, "eligible": eligible,
                                     "already_open": False})
                 return
+            if await asyncio.to_thread(hook.replay_epoch_skipped, self.epoch):
+                yield TriggerEvent({"status": "skipped", "epoch": self.epoch, "eligible": eligible,
+                                    "message": f"the trainer finished without replay epoch {self.epoch}: "
+                                               f"{eligible} eligible groups (< {self.min_groups})"})
+                return
             if await asyncio.to_thread(hook.stop_requested):
                 yield TriggerEvent({"status": "error", "epoch": self.epoch,
                                     "message": f"run {self.run_url} was stopped with {eligible} eligible "

@@ -80,6 +80,14 @@ def test_gate_trigger_gives_up_when_the_run_stops(run, monkeypatch):
     assert event["status"] == "error" and "1 eligible" in event["message"]
 
 
+def test_gate_trigger_reports_an_epoch_the_trainer_skipped(run, monkeypatch):
+    monkeypatch.setattr(RunDirHook, "eligible_replay_groups", lambda self: 1)
+    run.set_marker("trainer_done", {"step": 4, "replay_epochs_skipped": [0]})
+    run.request_stop("trainer finished")
+    event = first_event(ReplayGateTrigger(run_url=run.url, epoch=0, min_groups=5, poke_interval=0.01))
+    assert event["status"] == "skipped" and "without replay epoch 0" in event["message"]
+
+
 # sensors ------------------------------------------------------------------------------------------
 def test_checkpoint_sensor_defers_with_the_phase_marker_trigger(run):
     sensor = PhaseCheckpointSensor(task_id="wait", run_url=run.url, phase=1, poke_interval=3, timeout=600)
@@ -116,6 +124,19 @@ def test_checkpoint_sensor_in_poke_mode_times_out_with_timeout_zero(run):
 def test_sensors_retry_by_default():
     assert PhaseCheckpointSensor(task_id="a", run_url="file:///r/x", phase=0).retries >= 1
     assert ReplayGateSensor(task_id="b", run_url="file:///r/x", epoch=0).retries >= 1
+
+
+def test_gate_sensor_skips_an_epoch_the_trainer_skipped(run, monkeypatch):
+    from airflow.sdk.exceptions import AirflowSkipException
+
+    monkeypatch.setattr(RunDirHook, "eligible_replay_groups", lambda self: 1)
+    sensor = ReplayGateSensor(task_id="gate", run_url=run.url, epoch=0)
+    with pytest.raises(AirflowSkipException):
+        sensor.execute_complete({}, {"status": "skipped", "message": "the trainer finished without replay epoch 0"})
+    run.set_marker("trainer_done", {"step": 4, "replay_epochs_skipped": [0]})
+    with pytest.raises(AirflowSkipException, match="without replay epoch 0"):
+        sensor.execute({})
+    assert run.marker(replay_gate_marker(0)) is None
 
 
 def test_gate_sensor_opens_the_gate_when_enough_groups_are_eligible(run, monkeypatch):
