@@ -222,8 +222,12 @@ class OutFile:
         cached, so a reader of the output right after is not slowed."""
         if self._tmp is None or _start_writeback is None or self.bytes - self._written_back < WRITEBACK:
             return
-        _start_writeback(self._f.fileno(), self._written_back, self.bytes - self._written_back, _SYNC_FILE_RANGE_WRITE)
+        args = (self._f.fileno(), self._written_back, self.bytes - self._written_back, _SYNC_FILE_RANGE_WRITE)
         self._written_back = self.bytes  # a failed hint (e.g. unsupported here) changes nothing; fsync follows
+        if self.pipe is None:
+            _start_writeback(*args)
+        else:  # submitting the I/O can take a while: the checksum thread, which has time to spare, does it
+            self.pipe.then(lambda: _start_writeback(*args))
 
     def tell(self) -> int:
         return self.bytes
