@@ -54,7 +54,7 @@ class AirflowClient:
     base_url: str
     username: str
     password: str
-    timeout_s: float = 30.0
+    timeout_s: float = 120.0  # the embedded api-server waits up to 60 s on SQLite's write lock
     _token: str | None = field(default=None, repr=False)
 
     def _raw(self, method: str, path: str, body: Any = None, token: str | None = None) -> tuple[int, Any]:
