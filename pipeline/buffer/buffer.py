@@ -143,12 +143,17 @@ class ReplayBuffer:
             return None
 
     def read_fresh(self, cursor: dict | None, max_groups: int) -> tuple[pa.Table, dict]:
-        """Up to `max_groups` whole L1 groups in commit order from `cursor`, and the next cursor."""
+        """Up to `max_groups` whole L1 groups in commit order from `cursor`, and the next cursor.
+
+        Reads the log only when the commits already seen hold fewer than `max_groups` groups past
+        the cursor: a reader that is behind costs no log request per batch."""
         if max_groups <= 0:
             raise ValueError(f"read_fresh: max_groups={max_groups}; pass a positive number of groups")
         seq, g = parse_cursor(cursor)
         with self._lock:
-            st = self.refresh()
+            st = self.log.state
+            if not self.log._opened or self._known_groups(st, seq, g, max_groups) < max_groups:
+                st = self.refresh()  # only when the commits already seen cannot fill the batch
             if seq > st.next_seq:
                 raise ValueError(f"buffer cursor {cursor!r} is past the end of {self.url} "
                                  f"(next L1 sequence {st.next_seq}); was it saved for another buffer?")
@@ -182,6 +187,19 @@ class ReplayBuffer:
         if not pieces:
             return ROLLOUT_SCHEMA.empty_table(), {"seq": seq, "group": g}
         return pa.concat_tables(pieces), {"seq": seq, "group": g}
+
+    @staticmethod
+    def _known_groups(st: BufferState, seq: int, g: int, limit: int) -> int:
+        """L1 groups from cursor (seq, g) in state `st`, counted up to `limit`."""
+        if seq > st.next_seq:
+            return 0
+        total = 0
+        for s in st.l1_seqs[bisect.bisect_left(st.l1_seqs, seq):]:
+            n = st.shards[st.l1_by_seq[s]].groups
+            total += n - g if s == seq else n
+            if total >= limit:
+                break
+        return total
 
     def fresh_backlog(self, cursor: dict | None) -> int:
         """Groups committed to L1 and not yet consumed from `cursor`."""

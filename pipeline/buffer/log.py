@@ -8,20 +8,28 @@ concurrent committers gets each number and the log is a total order every proces
     _log/00000000000000000042.json        entry 42: {"v", "txn", "time", "writer", "actions"}
     _log/00000000000000000050.ckpt.json   the state after entry 50 (every `checkpoint_interval`)
     _log/_last_checkpoint                  {"v": 50}: where opening starts (may lag; never ahead)
+    _log/_tip                              {"v": 57}: where contending writers of a remote log start
+                                           (a hint: may lag or even go back; never trusted)
 
 Opening reads the pointer, one checkpoint and the few entries after it, so it costs O(1) files
 whatever the history length. Keeping up reads only entries past the last version seen, probing
 N+1, N+2, ... until one is missing: no listing of the whole log.
+
+Entries only ever appear in order: a committer creates N+1 only after seeing N exist. So the log is
+always a contiguous run of numbers, which is what lets readers stop at the first missing one.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import random
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
+
+from fsspec.implementations.memory import MemoryFileSystem
 
 from ..storage import is_local, join, list_names, put_atomic, put_if_absent, read_bytes
 from .state import BufferState
@@ -30,9 +38,12 @@ log = logging.getLogger(__name__)
 
 LOG_DIR = "_log"
 POINTER = "_last_checkpoint"
+TIP = "_tip"
 LOG_FORMAT = 1
-_REMOTE_PROBE = 8  # entries read in parallel when catching up on remote storage
-_BLIND_TRIES = 4  # lost add-only races before reading the log instead of trying the next number
+_REMOTE_PROBE = 8  # most entries read in parallel when catching up on remote storage
+_CONTENDED_APPENDS = 16  # appends that use and update the tip hint after the last lost race
+_BACKOFF_MAX = 4  # after a lost race on remote storage, wait up to this many round trips (times misses)
+_BLIND_TRIES = 4  # lost add-only races before catching up with the log instead of trying the next number
 
 
 class CommitConflict(RuntimeError):
@@ -66,6 +77,9 @@ class CommitLog:
         self._last_pointer_check = 0.0
         self._opened = False
         self._tip = 0  # highest version this process knows to exist (its own blind appends included)
+        # object stores: every request is a round trip, so contending writers share a tip hint
+        self._remote = not is_local(fs) and not isinstance(fs, MemoryFileSystem)
+        self._contended = 0  # appends left to start from the hint (and to update it) after a lost race
 
     # reading ----------------------------------------------------------------------------------
     def open(self) -> None:
@@ -127,40 +141,34 @@ class CommitLog:
         if not self._opened:
             self.open()
             return []
-        applied: list[tuple[int, dict]] = []
-        while True:
-            batch = self._probe(self.state.version + 1)
-            if not batch:
-                break
-            for v, doc in batch:
-                self.state.apply(v, doc)
-                applied.append((v, doc))
+        applied = self._probe(self.state.version + 1)
+        for v, doc in applied:
+            self.state.apply(v, doc)
         if not applied:
             self._catch_up_after_retention()
         return applied
 
     def _probe(self, start: int) -> list[tuple[int, dict]]:
-        """Entries start, start+1, ... that exist. The first two are read one by one, so an idle
-        poll costs one request and a single new entry two; when more exist and the store is
-        remote, the next few are read at once to catch up faster."""
-        doc = self._read_entry(start)
-        if doc is None:
-            return []
-        out = [(start, doc)]
-        if is_local(self.fs):
-            return out
-        nxt = self._read_entry(start + 1)
-        if nxt is None:
-            return out
-        out.append((start + 1, nxt))
-        start += 1
-        with ThreadPoolExecutor(_REMOTE_PROBE) as ex:
-            docs = list(ex.map(self._read_entry, range(start + 1, start + 1 + _REMOTE_PROBE)))
-        for i, d in enumerate(docs):
-            if d is None:
-                break
-            out.append((start + 1 + i, d))
-        return out
+        """Entries start, start+1, ... up to the first missing one. Local storage reads them one
+        by one. Remote storage reads the first two one by one, so an idle poll costs one request
+        and a single new entry two, then reads 2, 4, ... up to _REMOTE_PROBE at once: catching up
+        on many entries takes few round trips, and reading past the end of the log wastes at most
+        half of the last batch."""
+        out: list[tuple[int, dict]] = []
+        v, width = start, 1
+        while True:
+            if width == 1:
+                docs = [self._read_entry(v)]
+            else:
+                with ThreadPoolExecutor(width) as ex:
+                    docs = list(ex.map(self._read_entry, range(v, v + width)))
+            for d in docs:
+                if d is None:
+                    return out
+                out.append((v, d))
+                v += 1
+            if self._remote and len(out) >= 2:
+                width = min(2 * width, _REMOTE_PROBE)
 
     def _catch_up_after_retention(self) -> None:
         """A process far behind may find its next entry deleted by log retention: the pointer then
@@ -207,32 +215,73 @@ class CommitLog:
         """Commit add-only actions without reading what others committed in between.
 
         Adds need no precondition, so after a lost race the next number is tried directly (one
-        request) instead of reading the winner's entry first; under contention between many
-        samplers that halves the requests per commit. The state then lags until the next
+        request) instead of reading the winner's entry first. The state then lags until the next
         refresh, which reads the entries in between, ours included. A duplicate add (a PUT whose
         answer was lost, retried under the next number) is harmless: adding a path twice is
-        ignored by the state. A process far behind refreshes after a few misses instead of
-        probing number by number."""
+        ignored by the state.
+
+        On remote storage, a writer that lost a race publishes the number it gets in `_tip` for
+        its next _CONTENDED_APPENDS appends, and starts each of them there instead of walking
+        past every entry the others committed since its last one, one failed create-only PUT
+        each. The hint may lag or go back (racing overwrites); it only saves requests, and the
+        create-only PUT still decides. A writer that lost a race waits a random fraction of a
+        round trip per race lost so far (at most _BACKOFF_MAX) before the next try: the losers
+        of one number then do not all race again for the next. A process far behind skips ahead
+        after a few misses (see `_known_end`) instead of probing number by number. The state is
+        read only to write a checkpoint, from the newest checkpoint on."""
         v = max(self.state.version, self._tip) + 1
+        if self._remote and self._contended:
+            v = max(v, self._read_tip() + 1)
         misses = 0
         while True:
             doc = {"format": LOG_FORMAT, "v": v, "txn": uuid.uuid4().hex, "time": time.time(),
                    "writer": self.writer, "actions": actions}
+            t0 = time.monotonic()
             if put_if_absent(self.fs, join(self.dir, entry_name(v)), json.dumps(doc).encode(), self.fsync):
                 break
             misses += 1
-            if misses % _BLIND_TRIES == 0:
-                self.refresh()
-                v = max(self.state.version, v) + 1
+            if self._remote:  # the losers of a number would all race for the next one: spread them
+                time.sleep(random.uniform(0, min(misses, _BACKOFF_MAX) * (time.monotonic() - t0)))
+            if self._remote and misses == 1 and not self._contended:
+                v = max(v, self._read_tip()) + 1
+            elif misses % _BLIND_TRIES == 0:
+                v = max(v, self._known_end()) + 1
             else:
                 v += 1
         self._tip = v
+        if self._remote and (misses or self._contended):
+            self._contended = _CONTENDED_APPENDS if misses else self._contended - 1
+            put_atomic(self.fs, join(self.dir, TIP), json.dumps({"v": v}).encode(), fsync=False)
         if v == self.state.version + 1:
             self.state.apply(v, doc)
         if self.checkpoint_interval and v % self.checkpoint_interval == 0:
-            self.refresh()
+            self._catch_up()
             self.write_checkpoint()
         return v
+
+    def _known_end(self) -> int:
+        """A version known to exist, for a writer that keeps losing races: a remote log's tip hint
+        or newest checkpoint (two small reads: losing races to many contending writers is not
+        being far behind, and reading their entries would not help), else the refreshed state."""
+        if self._remote:
+            return max(self._read_tip(), self._read_pointer())
+        self.refresh()
+        return self.state.version
+
+    def _read_tip(self) -> int:
+        try:
+            return int(json.loads(read_bytes(self.fs, join(self.dir, TIP)))["v"])
+        except (FileNotFoundError, ValueError, KeyError, TypeError):
+            return 0
+
+    def _catch_up(self) -> None:
+        """Refresh; a state more than a checkpoint behind starts from the newest checkpoint rather
+        than reading every entry since (an appending writer's state lags: it reads no entries)."""
+        if self.checkpoint_interval and self.state.version + self.checkpoint_interval < max(self._tip, 1):
+            ptr = self._read_pointer()
+            if ptr > self.state.version:
+                self._load_checkpoint(ptr)
+        self.refresh()
 
     def _maybe_checkpoint(self, version: int) -> None:
         if self.checkpoint_interval and version % self.checkpoint_interval == 0:
