@@ -26,6 +26,9 @@ from pipeline.config import BufferConfig  # noqa: E402
 from pipeline.storage import put_atomic, url_to_fs  # noqa: E402
 
 CONFIG = BufferConfig(checkpoint_interval=20, writer_queue=2)
+# a reader that has caught up polls the log this often; every poll is a request, and on S3 (moto
+# on this machine's cores) polls by two readers otherwise cost as many requests as the commits
+POLL_S = 0.2
 
 
 def write(url: str, writer_id: str, shards: int, groups: int, ack_file: str) -> None:
@@ -59,7 +62,7 @@ def read(url: str, state_dir: str, total_groups: int, seed: int) -> None:
     while have < total_groups and time.time() < deadline:
         table, new_cursor = buf.read_fresh(cursor, rng.randint(1, 7))
         if table.num_rows == 0:
-            time.sleep(0.05)
+            time.sleep(POLL_S)
             continue
         gids = list(dict.fromkeys(table.column("group_id").to_pylist()))
         sizes = [table.column("group_id").to_pylist().count(g) for g in gids]

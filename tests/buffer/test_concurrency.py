@@ -94,8 +94,8 @@ def test_8_writer_processes_2_readers_local_disk(tmp_path):
 @pytest.mark.integration
 def test_8_writer_processes_2_readers_s3(tmp_path, s3_url):
     """The same on S3 (conditional PUTs against moto's server, which shares this machine's cores
-    with the ten client processes): 8 x 12 = 96 commits."""
-    _writers_and_readers(s3_url, tmp_path, writers=8, shards=12, groups=2, reader_kills=1)
+    with the ten client processes): 8 x 125 = 1,000 commits, one reader killed and resumed 3 times."""
+    _writers_and_readers(s3_url, tmp_path, writers=8, shards=125, groups=2, reader_kills=3)
 
 
 def test_8_writer_threads_2_readers_memory(tmp_path):
