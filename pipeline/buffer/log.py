@@ -42,7 +42,7 @@ TIP = "_tip"
 LOG_FORMAT = 1
 _REMOTE_PROBE = 8  # most entries read in parallel when catching up on remote storage
 _CONTENDED_APPENDS = 16  # appends that use and update the tip hint after the last lost race
-_BACKOFF_MAX = 4  # after a lost race on remote storage, wait up to this many round trips (times misses)
+_BACKOFF_MAX = 8  # after a lost race on remote storage, wait up to this many round trips (times misses)
 _BLIND_TRIES = 4  # lost add-only races before catching up with the log instead of trying the next number
 
 
