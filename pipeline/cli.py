@@ -10,6 +10,7 @@ import logging
 import os
 import signal
 import sys
+import traceback
 
 from .config import ConfigError
 
@@ -154,3 +155,23 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+
+
+def run() -> None:
+    """Console-script entry point (`rlhf`, `python -m pipeline`): `main`, then exit without running
+    C++ static destructors. torch and pyarrow loaded in one process abort at interpreter exit now
+    and then ("terminate called without an active exception"), which would turn a finished
+    sampler or trainer into a crash; Python-level clean-up has run by then."""
+    try:
+        code = main()
+    except SystemExit as e:  # argparse errors and --help
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        if not isinstance(e.code, (int, type(None))):
+            print(e.code, file=sys.stderr)
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
