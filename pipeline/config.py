@@ -15,20 +15,26 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 RUN_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 
 
 class ConfigError(ValueError):
     """A bad config value; the message is one line naming the field and the fix."""
 
 
-def validate_run_id(run_id: str) -> str:
-    """Run ids end up in paths: allow only [A-Za-z0-9._-], no leading dot/dash, no '..'."""
-    if not isinstance(run_id, str) or not RUN_ID_RE.match(run_id) or ".." in run_id:
+def validate_name(value: str, field: str, max_len: int = 128) -> str:
+    """Names that end up in paths (run ids, sampler and writer ids): [A-Za-z0-9._-], starting
+    with a letter or digit, no '..', at most `max_len` characters."""
+    if not isinstance(value, str) or not NAME_RE.match(value) or len(value) > max_len or ".." in value:
         raise ConfigError(
-            f"run_id: invalid value {run_id!r}; use 1-128 characters from [A-Za-z0-9._-], "
+            f"{field}: invalid value {value!r}; use 1-{max_len} characters from [A-Za-z0-9._-], "
             "starting with a letter or digit, without '..'"
         )
-    return run_id
+    return value
+
+
+def validate_run_id(run_id: str) -> str:
+    return validate_name(run_id, "run_id")
 
 
 class _Section(BaseModel):

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import io
 import os
-import re
 import uuid
 
 import numpy as np
@@ -18,23 +17,16 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from ..config import validate_name
 from ..storage import is_local, join, put_atomic, read_bytes
 from .schema import ROLLOUT_SCHEMA, SCHEMA_VERSION, SCHEMA_VERSION_KEY, SchemaError, check_schema
-
-WRITER_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
-
 
 class CorruptShard(ValueError):
     """A committed shard that cannot be read as rollouts (truncated, corrupt, wrong schema)."""
 
 
 def validate_writer_id(writer_id: str) -> str:
-    if not isinstance(writer_id, str) or not WRITER_ID_RE.match(writer_id) or ".." in writer_id:
-        raise ValueError(
-            f"writer_id: invalid value {writer_id!r}; use 1-64 characters from [A-Za-z0-9._-], "
-            "starting with a letter or digit"
-        )
-    return writer_id
+    return validate_name(writer_id, "writer_id", max_len=64)
 
 
 def conform(table: pa.Table) -> pa.Table:
