@@ -20,7 +20,7 @@ from datetime import datetime, timezone
 
 from ..buffer import ReplayBuffer
 from ..buffer.schema import content_hash, to_table
-from ..config import validate_run_id
+from ..config import validate_name
 from ..data import PromptRow, load_prompts
 from ..models import load_tokenizer, render_prompt, set_threads
 from ..policy import PolicyStore
@@ -59,7 +59,7 @@ class PromptStream:
 
 
 def run_sampler(run_url: str, sampler_id: str = "sampler-0") -> dict:
-    validate_run_id(sampler_id)
+    validate_name(sampler_id, "--sampler-id", max_len=64)
     run = RunDir(run_url)
     cfg = run.config()
     sc = cfg.sampler
