@@ -50,17 +50,26 @@ def _local_tmp(path: str) -> str:
     return os.path.join(d, f".{name}.tmp-{uuid.uuid4().hex}")
 
 
+def write_local(path: str, data: bytes, fsync: bool, mode: str = "wb") -> None:
+    """Write a local file, creating its folder on demand (checked only when the open fails)."""
+    try:
+        f = open(path, mode)
+    except FileNotFoundError:
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        f = open(path, mode)
+    with f:
+        f.write(data)
+        if fsync:
+            f.flush()
+            os.fsync(f.fileno())
+
+
 def put_atomic(fs: fsspec.AbstractFileSystem, path: str, data: bytes, fsync: bool = True) -> None:
     """Publish `data` at `path` so that readers never observe a partial object. `fsync=False`
     keeps the atomicity against killed processes but not against a machine crash (local disk)."""
     if is_local(fs):
-        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
         tmp = _local_tmp(path)
-        with open(tmp, "wb") as f:
-            f.write(data)
-            if fsync:
-                f.flush()
-                os.fsync(f.fileno())
+        write_local(tmp, data, fsync)
         os.replace(tmp, path)
         return
     fs.pipe_file(path, data)
@@ -72,16 +81,7 @@ def put_if_absent(fs: fsspec.AbstractFileSystem, path: str, data: bytes, fsync: 
     machine crash (local disk)."""
     if is_local(fs):
         tmp = _local_tmp(path)
-        try:
-            f = open(tmp, "wb")
-        except FileNotFoundError:
-            os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-            f = open(tmp, "wb")
-        with f:
-            f.write(data)
-            if fsync:
-                f.flush()
-                os.fsync(f.fileno())
+        write_local(tmp, data, fsync)
         try:
             os.link(tmp, path)  # atomic and exclusive, also on NFS
             return True

@@ -9,7 +9,6 @@ scanning ids. Decoding checks the schema version first: a newer version is a har
 from __future__ import annotations
 
 import io
-import os
 import uuid
 
 import numpy as np
@@ -18,7 +17,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from ..config import validate_name
-from ..storage import is_local, join, put_atomic, read_bytes
+from ..storage import is_local, join, put_atomic, read_bytes, write_local
 from .schema import ROLLOUT_SCHEMA, SCHEMA_VERSION, SCHEMA_VERSION_KEY, SchemaError, check_schema
 
 class CorruptShard(ValueError):
@@ -85,16 +84,7 @@ def write_shard(fs, root: str, rel: str, data: bytes, fsync: bool = False) -> No
     if not is_local(fs):
         put_atomic(fs, path, data)
         return
-    try:
-        f = open(path, "xb")  # names are unique: an existing file is a bug, not a race
-    except FileNotFoundError:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        f = open(path, "xb")
-    with f:
-        f.write(data)
-        if fsync:
-            f.flush()
-            os.fsync(f.fileno())
+    write_local(path, data, fsync, mode="xb")  # names are unique: an existing file is a bug, not a race
 
 
 def policy_range(table: pa.Table) -> tuple[int, int]:
