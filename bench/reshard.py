@@ -15,8 +15,15 @@ Reshard times are the `reshard()` call inside the child (not interpreter start-u
 child's ru_maxrss (so it includes the ~270 MB of the imported libraries). CPU seconds of each
 step and the load average are printed too: on a shared machine the wall-clock ratio mostly says how
 much CPU each step needs (the reshard also checksums every byte it writes; cp does not). With --repeat > 1 the
-three are interleaved and each keeps its fastest time. Every step starts after a `sync`, so none
-inherits the dirty pages of the one before. Prints one JSON line; deletes its files.
+three are interleaved and each keeps its fastest time.
+
+Every step first deletes its own previous output, runs `sync`, and starts at once (the reshard
+children do this after their imports), so none inherits the dirty pages of the one before and each
+writes its 1.26 GB into page cache after the same preparation. The cost of those writes depends on
+the memory freed just before: on this machine (a VM whose host takes back freed guest memory) with
+all deletes at the start of a round, the step that ran last, hf->tp:2, took 2.2-2.9 s with a page
+cache of 12 GB, and 0.54-0.61 s when it ran right after deleting its own output.
+Prints one JSON line; deletes its files.
 """
 
 from __future__ import annotations
@@ -36,11 +43,13 @@ QWEN2_05B = dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num
                  rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=False, use_sliding_window=False)
 
 CHILD = """
-import json, resource, sys, time
+import json, os, resource, shutil, sys, time
 sys.path.insert(0, {root!r})
 from pipeline.models import set_threads
 set_threads(1)
 from pipeline.reshard import reshard
+shutil.rmtree({dst!r}, ignore_errors=True)  # the previous run's output, deleted just before, as for cp
+os.sync()
 ru0 = resource.getrusage(resource.RUSAGE_SELF)
 rss0, cpu0 = ru0.ru_maxrss / 1024, ru0.ru_utime + ru0.ru_stime
 t0 = time.perf_counter()
@@ -95,6 +104,8 @@ def timed_copy(src: str, dst: str) -> tuple[float, float, float]:
     """(seconds for cp -r, seconds for cp -r plus fsync of every copied file, CPU seconds of cp)."""
     import resource
 
+    shutil.rmtree(dst, ignore_errors=True)  # the previous run's output, deleted just before, as for the reshards
+    os.sync()
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.perf_counter()
     subprocess.run(["cp", "-r", src, dst], check=True)
@@ -142,15 +153,10 @@ def main() -> None:
         rss, rss0 = 0.0, 0.0
         load_before = os.getloadavg()[0]
         for i in range(args.repeat):
-            for name in ("copy", "hf", "tp2"):
-                shutil.rmtree(os.path.join(work, name), ignore_errors=True)
-            os.sync()  # every step starts with no dirty pages left by the one before
             plain, synced, cpu = timed_copy(src, os.path.join(work, "copy"))
             best["copy"], best["copy_sync"] = min(best["copy"], plain), min(best["copy_sync"], synced)
             cpu_s["copy"] = min(cpu_s["copy"], cpu)
-            os.sync()
             a = run_child(src, os.path.join(work, "hf"), "hf")
-            os.sync()
             b = run_child(os.path.join(work, "hf"), os.path.join(work, "tp2"), "tp:2")
             best["dcp_to_hf"], best["hf_to_tp2"] = min(best["dcp_to_hf"], a["s"]), min(best["hf_to_tp2"], b["s"])
             cpu_s["dcp_to_hf"], cpu_s["hf_to_tp2"] = min(cpu_s["dcp_to_hf"], a["cpu_s"]), min(cpu_s["hf_to_tp2"], b["cpu_s"])
