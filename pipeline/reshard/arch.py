@@ -37,6 +37,20 @@ class Piece:
     start: int = 0
     stop: int = 0
 
+    def byte_ranges(self, spec: TensorSpec) -> list[tuple[int, int]]:
+        """Where this slice lies in the bytes of the full (row-major) tensor: [begin, end) runs, in
+        order. One run for a split on dim 0 or a whole tensor; one per leading index otherwise."""
+        if self.dim is None:
+            return [(0, spec.nbytes)]
+        outer = 1
+        for s in spec.shape[: self.dim]:
+            outer *= s
+        inner = spec.dtype.itemsize
+        for s in spec.shape[self.dim + 1 :]:
+            inner *= s
+        row = spec.shape[self.dim] * inner
+        return [(i * row + self.start * inner, i * row + self.stop * inner) for i in range(outer)]
+
 
 @dataclass(frozen=True)
 class Architecture:

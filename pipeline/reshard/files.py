@@ -18,7 +18,10 @@ import xxhash
 from ..storage import is_local
 from .layout import ReshardError
 
-CHUNK = 16 << 20  # bytes per read/write call: large enough for disk speed, small enough for buffers
+CHUNK = 16 << 20  # bytes per read call: large enough for disk speed, small enough for buffers
+# bytes per write call from memory: a larger write makes the kernel allocate larger page-cache
+# folios, which cost several times the CPU per byte here whenever free memory is fragmented
+WRITE_CHUNK = 1 << 20
 RANGE_BUFFER = 2 << 20  # checksum reads of source ranges: small enough to stay in the CPU cache
 
 # Checksums detect corruption and partial writes (not tampering: whoever can rewrite a file can
@@ -164,8 +167,8 @@ class OutFile:
         parallel = stable and self.pipe is not None
         if not parallel and self.pipe is not None:
             self.pipe.drain()  # earlier parallel updates of this hash come first
-        for i in range(0, len(view), CHUNK):
-            part = view[i : i + CHUNK]
+        for i in range(0, len(view), WRITE_CHUNK):
+            part = view[i : i + WRITE_CHUNK]
             if parallel:
                 self.pipe.submit(self.checksum, part)
             else:

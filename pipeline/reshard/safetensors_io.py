@@ -15,11 +15,11 @@ from dataclasses import dataclass
 
 import torch
 
-from .files import OutFile, read_into, tensor_bytes
+from .files import OutFile, read_into
 from .layout import ST_CODES, ST_DTYPES, ReshardError
 
 MAX_HEADER = 100 << 20
-ALIGN = 8
+PAGE = 4096
 
 
 @dataclass(frozen=True)
@@ -89,23 +89,28 @@ class SafetensorsWriter:
             self._order.append((name, tuple(shape), dtype, nbytes))
             offset += nbytes
         raw = json.dumps(header, separators=(",", ":")).encode()
-        raw += b" " * (-len(raw) % ALIGN)  # keep tensor data 8-byte aligned, as safetensors does
+        # Tensor data starts on a page boundary (safetensors pads its header with spaces to 8 bytes;
+        # more spaces are as valid): bytes copied file to file between page-aligned offsets move
+        # whole pages, which cost the kernel about half the CPU of a copy between shifted offsets.
+        raw += b" " * (-(8 + len(raw)) % PAGE)
         out.write(struct.pack("<Q", len(raw)) + raw)
         self._next = 0
 
-    def write(self, name: str, t: torch.Tensor | None, segments: list | None = None) -> None:
-        """Append tensor `name`; `segments` (fd, offset, length) say where its exact bytes already
-        lie on local disk, so they can be copied in the kernel (then `t` may be None: not read)."""
+    def write(self, name: str, data: memoryview | None, segments: list | None = None) -> None:
+        """Append tensor `name`: its bytes in memory (`data`, unchanged until the checksum pipe
+        has hashed them), and/or `segments` (fd, offset, length) saying where its exact bytes
+        already lie on local disk, to be copied in the kernel."""
         want, shape, dtype, nbytes = self._order[self._next]
-        if name != want or (t is not None and (tuple(t.shape) != shape or t.dtype != dtype)):
-            got = f"{name} {list(t.shape)} {t.dtype}" if t is not None else name
-            raise RuntimeError(f"{self.out.path}: expected {want} {list(shape)} {dtype}, got {got}")
+        view = memoryview(data).cast("B") if data is not None else None
+        got = len(view) if view is not None else sum(n for _, _, n in segments or [])
+        if name != want or got != nbytes:
+            raise RuntimeError(f"{self.out.path}: expected {want} ({nbytes} bytes), got {name} ({got} bytes)")
         if segments:
-            self.out.copy_from(segments, tensor_bytes(t) if t is not None else None)
-        elif t is None:
+            self.out.copy_from(segments, view)
+        elif view is None:
             raise RuntimeError(f"{self.out.path}: {name} has neither bytes in memory nor a source to copy from")
         else:
-            self.out.write(tensor_bytes(t.contiguous()), stable=True)
+            self.out.write(view, stable=True)
         self._next += 1
 
     @property

@@ -20,9 +20,10 @@ import torch
 
 from .arch import Architecture
 from .dcp_io import DCPWriter
-from .files import HashPipe, OutFile, slice_segments
+from .files import HashPipe, OutFile, slice_segments, tensor_bytes
 from .layout import DCP_DIR, HF_INDEX, HF_META_DIR, HF_SINGLE, META, ST_CODES, Format, TensorSpec, hf_shard_name, tp_rank_name
-from .safetensors_io import SafetensorsWriter
+from .ring import TensorRing
+from .safetensors_io import PAGE, SafetensorsWriter
 
 
 class Sink:
@@ -54,6 +55,10 @@ class Sink:
         """Whether writing `spec` needs the tensor in memory (else its source segments suffice)."""
         return True
 
+    def order(self, specs: list[TensorSpec]) -> list[TensorSpec]:
+        """The order in which the sink wants to receive the tensors."""
+        return specs
+
     def write(self, spec: TensorSpec, t: torch.Tensor | None, segments: list | None = None) -> None:
         """Write the whole tensor `spec`; `segments` locate its bytes in local source files."""
         raise NotImplementedError
@@ -81,18 +86,23 @@ class HFSink(Sink):
                 size = 0
             groups[-1].append(s)
             size += s.nbytes
+        groups = [page_multiples_first(g, [s.nbytes for s in g]) for g in groups]
         names = [HF_SINGLE] if len(groups) == 1 else [hf_shard_name(i, len(groups)) for i in range(len(groups))]
         self._groups = list(zip(names, groups))
         self._file_of = {s.name: n for n, g in self._groups for s in g}
         self._current: tuple[str, OutFile, SafetensorsWriter] | None = None
         self._next_group = 0
         self.total = sum(s.nbytes for s in specs)
+        self._order = [s for g in groups for s in g]
         self.manifest_fields = {
             "tensors": {s.name: {"file": self._file_of[s.name], "shape": list(s.shape), "dtype": ST_CODES[s.dtype]} for s in specs}
         }
 
     def wants_bytes(self, spec: TensorSpec) -> bool:
         return False
+
+    def order(self, specs: list[TensorSpec]) -> list[TensorSpec]:
+        return self._order
 
     def write(self, spec: TensorSpec, t: torch.Tensor | None, segments: list | None = None) -> None:
         if self._current is None:
@@ -101,7 +111,7 @@ class HFSink(Sink):
             f = self._new(name)
             self._current = (name, f, SafetensorsWriter(f, [(s.name, s.shape, s.dtype) for s in group]))
         name, f, w = self._current
-        w.write(spec.name, t, segments)
+        w.write(spec.name, tensor_bytes(t) if t is not None else None, segments)
         if w.done:
             self._commit(name, f)
             self._current = None
@@ -118,10 +128,14 @@ class TPSink(Sink):
         super().__init__(fs, root, pipe)
         self.n = n
         self._pieces = {s.name: arch.tp_pieces(s, n) for s in specs}
+        self._ranges = {s.name: [p.byte_ranges(s) for p in self._pieces[s.name]] for s in specs}
+        self._order = page_multiples_first(specs, [sum(e - b for b, e in self._ranges[s.name][0]) for s in specs])
+        gathered = [s.nbytes for s in specs if self.wants_bytes(s)]
+        self._staging = TensorRing(2 * max(gathered)) if gathered else None
         self._writers = []
         for r in range(n):
             decl = []
-            for s in specs:
+            for s in self._order:
                 p = self._pieces[s.name][r]
                 shape = list(s.shape)
                 if p.dim is not None:
@@ -142,22 +156,34 @@ class TPSink(Sink):
         }
 
     def wants_bytes(self, spec: TensorSpec) -> bool:
-        return any(p.dim not in (None, 0) for p in self._pieces[spec.name])  # row-parallel slices are gathered
+        return any(len(r) > 1 for r in self._ranges[spec.name])  # dim-1 slices (row-parallel) are gathered in memory
 
     def write(self, spec: TensorSpec, t: torch.Tensor | None, segments: list | None = None) -> None:
-        row = spec.nbytes // spec.shape[0] if spec.shape else 0
-        for p, (_, _, w) in zip(self._pieces[spec.name], self._writers):
-            if p.dim is None:
-                w.write(spec.name, t, segments)
-            elif p.dim == 0:  # a contiguous run of rows: a contiguous run of the source bytes
-                part = t.narrow(0, p.start, p.stop - p.start) if t is not None else None
-                w.write(spec.name, part, segments and slice_segments(segments, p.start * row, p.stop * row))
-            else:
-                w.write(spec.name, t.narrow(p.dim, p.start, p.stop - p.start))  # gathered in memory
+        data = tensor_bytes(t) if t is not None else None
+        for p, ranges, (_, _, w) in zip(self._pieces[spec.name], self._ranges[spec.name], self._writers):
+            if len(ranges) == 1:  # one run of the source bytes: copied file to file when it lies on disk
+                begin, end = ranges[0]
+                w.write(spec.name, data[begin:end] if data is not None else None,
+                        segments and slice_segments(segments, begin, end))
+            else:  # a run per row (a dim-1 slice): gathered into a buffer of the staging ring, written at once
+                part = t.narrow(p.dim, p.start, p.stop - p.start)
+                buf = self._staging.take(tuple(part.shape), part.dtype)
+                buf.copy_(part)
+                w.write(spec.name, tensor_bytes(buf))
+                del buf
+                if self.pipe is not None:
+                    self.pipe.then(self._staging.release)  # reused once its checksum is computed
+                else:
+                    self._staging.release()
+
+    def order(self, specs: list[TensorSpec]) -> list[TensorSpec]:
+        return self._order
 
     def finish(self) -> None:
         for name, f, _ in self._writers:
             self._commit(name, f)
+        if self._staging is not None:
+            self._staging.stop()
 
 
 class DCPSink(Sink):
@@ -178,6 +204,13 @@ class DCPSink(Sink):
     def abort(self) -> None:
         self.writer.abort()
         super().abort()
+
+
+def page_multiples_first(specs: list[TensorSpec], sizes: list[int]) -> list[TensorSpec]:
+    """`specs` with those whose bytes (`sizes`) are a whole number of pages first, each group in
+    its given order. Written from a page boundary, all of these then start on one, so the bulk of
+    the bytes is copied page-aligned; the small tensors (norms, biases) follow."""
+    return [s for s, n in zip(specs, sizes) if n % PAGE == 0] + [s for s, n in zip(specs, sizes) if n % PAGE]
 
 
 def make_sink(fmt: Format, fs, root: str, specs, arch: Architecture, *, max_shard_bytes: int, meta: dict, save_id: str,

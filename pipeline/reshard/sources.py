@@ -13,7 +13,7 @@ import json
 
 import torch
 
-from ..storage import list_names, read_bytes, url_to_fs
+from ..storage import is_local, list_names, read_bytes, url_to_fs
 from .dcp_io import DCPReader
 from .files import open_read, read_into
 from .layout import (
@@ -41,6 +41,7 @@ class Source:
     meta_files: dict[str, str]
     step: int | None = None
     policy_version: int | None = None
+    copyable = False  # whether `locate` can find tensors' bytes in local files
 
     def __init__(self, fs, root: str, url: str):
         self.fs, self.root, self.url = fs, root, url
@@ -90,6 +91,7 @@ class Source:
 class HFSource(Source):
     def __init__(self, fs, root: str, url: str, manifest: dict | None):
         super().__init__(fs, root, url)
+        self.copyable = is_local(fs)
         self.format = Format("hf")
         self._meta_from(root)
         if fs.exists(f"{root}/{HF_INDEX}"):
@@ -188,6 +190,7 @@ class DCPSource(Source):
         if meta.get("format") != "dcp":
             raise ReshardError(f"{root}/{META}: format {meta.get('format')!r}, expected 'dcp'")
         self._meta_from(f"{root}/{HF_META_DIR}")
+        self.copyable = is_local(fs)
         self.reader = DCPReader(fs, f"{root}/{DCP_DIR}")
         self.specs = self.reader.specs
         if not self.specs:

@@ -75,3 +75,29 @@ def test_row_parallel_slices_read_across_checkpoint_chunks_match_the_original(ti
         for name in (f"model.layers.{i}.self_attn.o_proj.weight", f"model.layers.{i}.mlp.down_proj.weight"):
             for r in range(4):
                 assert torch.equal(ranks[r][name], ref[name].chunk(4, dim=1)[r]), (name, r)
+
+
+def test_written_safetensors_put_page_multiple_tensors_on_page_boundaries_and_load_with_safetensors(tiny, tmp_path):
+    import struct
+
+    from pipeline.reshard.safetensors_io import PAGE, read_header
+
+    model, _, full = tiny
+    ref = model.state_dict()
+    reshard(full, str(tmp_path / "hf"), to="hf")
+    reshard(str(tmp_path / "hf"), str(tmp_path / "tp2"), to="tp:2")
+    paths = [str(tmp_path / "hf" / "model.safetensors")] + [str(tmp_path / "tp2" / n) for n in _ranks(str(tmp_path / "tp2"))[0]["rank_files"]]
+    for path in paths:
+        with open(path, "rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            assert (8 + n) % PAGE == 0, path
+            f.seek(0)
+            entries = read_header(f, path)
+        by_offset = sorted(entries.values(), key=lambda e: e.begin)
+        sizes = [e.end - e.begin for e in by_offset]
+        whole = [s % PAGE == 0 for s in sizes]
+        assert any(whole) and any(not w for w in whole), "the tiny model has both kinds"
+        assert whole == sorted(whole, reverse=True), "whole-page tensors come first"
+        assert all(e.begin % PAGE == 0 for e, w in zip(by_offset, whole) if w)
+    loaded = load_file(paths[0])  # the safetensors library's own checks (no holes, valid header)
+    assert set(loaded) == set(ref) and all(torch.equal(loaded[k], ref[k]) for k in ref)
