@@ -225,6 +225,22 @@ def test_local_bytes_pass_through_the_kernel_copy_and_still_match_their_checksum
     assert all(torch.equal(v, state[k]) for k, v in tiny[0].state_dict().items())
 
 
+def test_tensors_a_local_source_cannot_locate_are_read_whole_and_give_the_same_bytes(trainer_ckpt, tmp_path,
+                                                                                   monkeypatch):
+    """The ring is sized only for the tensors the sink must see in memory; a tensor the source
+    unexpectedly cannot locate on disk (e.g. a chunk saved as a view) is read into memory of its own."""
+    from pipeline.reshard import sources
+
+    copied = str(tmp_path / "copied")
+    reshard(trainer_ckpt, copied, to="hf")
+    monkeypatch.setattr(sources.DCPSource, "locate", lambda self, name: None)
+    read = str(tmp_path / "read")
+    reshard(trainer_ckpt, read, to="hf")
+    with open(os.path.join(copied, "manifest.json")) as a, open(os.path.join(read, "manifest.json")) as b:
+        assert json.load(a)["files"] == json.load(b)["files"]
+    assert verify(read).ok
+
+
 def test_early_writeback_while_writing_changes_no_byte(trainer_ckpt, tmp_path, monkeypatch):
     from pipeline.reshard import files
 
