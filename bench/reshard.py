@@ -17,12 +17,14 @@ step and the load average are printed too: on a shared machine the wall-clock ra
 much CPU each step needs (the reshard also checksums every byte it writes; cp does not). With --repeat > 1 the
 three are interleaved and each keeps its fastest time.
 
-Every step first deletes its own previous output, runs `sync`, and starts at once (the reshard
-children do this after their imports), so none inherits the dirty pages of the one before and each
-writes its 1.26 GB into page cache after the same preparation. The cost of those writes depends on
-the memory freed just before: on this machine (a VM whose host takes back freed guest memory) with
-all deletes at the start of a round, the step that ran last, hf->tp:2, took 2.2-2.9 s with a page
-cache of 12 GB, and 0.54-0.61 s when it ran right after deleting its own output.
+Every step is prepared the same way just before its timed work (the reshard children do it after
+their imports): delete its own previous output, `sync` (so none inherits the dirty pages of the one
+before), then touch and free twice the checkpoint's bytes of memory in a short-lived process
+(`prime_gb`; `--no-prime` skips it). On this machine, a VM whose host takes back memory the guest
+frees, the first touch of such memory cost about 2.8 s per GB, and a step that wrote its page cache
+into it ran 5-10x slower; which step met it depended on the order of the steps and on what ran
+before the benchmark. Touching memory first makes every step write into memory that is already
+there, as on a machine without that reclaim, where the priming changes nothing.
 Prints one JSON line; deletes its files.
 """
 
@@ -43,13 +45,14 @@ QWEN2_05B = dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num
                  rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=False, use_sliding_window=False)
 
 CHILD = """
-import json, os, resource, shutil, sys, time
+import json, resource, sys, time
 sys.path.insert(0, {root!r})
 from pipeline.models import set_threads
 set_threads(1)
 from pipeline.reshard import reshard
-shutil.rmtree({dst!r}, ignore_errors=True)  # the previous run's output, deleted just before, as for cp
-os.sync()
+sys.path.insert(0, {bench!r})
+from reshard import prepare_step
+prepare_step({dst!r}, {prime})  # after the imports: the timed work starts right after, as cp's does
 ru0 = resource.getrusage(resource.RUSAGE_SELF)
 rss0, cpu0 = ru0.ru_maxrss / 1024, ru0.ru_utime + ru0.ru_stime
 t0 = time.perf_counter()
@@ -91,21 +94,49 @@ def build_checkpoint(dst: str, dtype_name: str, layers: int) -> tuple[int, int]:
     return sum(s.nbytes for s in specs), max(s.nbytes for s in specs)
 
 
-def run_child(src: str, dst: str, to: str) -> dict:
+PRIME = """
+import mmap, sys
+n = int(sys.argv[1])
+m = mmap.mmap(-1, n, flags=mmap.MAP_PRIVATE)
+for i in range(0, n, mmap.PAGESIZE):
+    m[i] = 1
+"""
+
+
+def prepare_step(dst: str, prime_bytes: int) -> None:
+    """What every timed step does first: delete its own previous output, `sync`, then touch and
+    free `prime_bytes` of memory in a short-lived process (so it counts in nobody's RSS)."""
+    shutil.rmtree(dst, ignore_errors=True)
+    os.sync()
+    if prime_bytes > 0:
+        subprocess.run([sys.executable, "-c", PRIME, str(prime_bytes)], check=True)
+
+
+def prime_size(nbytes: int) -> int:
+    """Twice the checkpoint, or half the memory available, whichever is less."""
+    try:
+        with open("/proc/meminfo") as f:
+            avail = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration):
+        return 0
+    return min(2 * nbytes, avail // 2)
+
+
+def run_child(src: str, dst: str, to: str, prime: int) -> dict:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-    code = CHILD.format(root=ROOT, src=src, dst=dst, to=to)
+    code = CHILD.format(root=ROOT, bench=os.path.dirname(os.path.abspath(__file__)), src=src, dst=dst, to=to,
+                        prime=prime)
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     if done.returncode != 0:
         raise SystemExit(f"reshard to {to} failed:\n{done.stderr[-3000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def timed_copy(src: str, dst: str) -> tuple[float, float, float]:
+def timed_copy(src: str, dst: str, prime: int) -> tuple[float, float, float]:
     """(seconds for cp -r, seconds for cp -r plus fsync of every copied file, CPU seconds of cp)."""
     import resource
 
-    shutil.rmtree(dst, ignore_errors=True)  # the previous run's output, deleted just before, as for the reshards
-    os.sync()
+    prepare_step(dst, prime)
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.perf_counter()
     subprocess.run(["cp", "-r", src, dst], check=True)
@@ -128,6 +159,7 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--layers", type=int, default=24)
     ap.add_argument("--repeat", type=int, default=1)
+    ap.add_argument("--no-prime", action="store_true", help="skip touching and freeing memory before each step")
     ap.add_argument("--build-only", metavar="DST", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.build_only:  # child mode: keeps torch and the weights out of the measuring process
@@ -152,12 +184,13 @@ def main() -> None:
         cpu_s = {"copy": float("inf"), "dcp_to_hf": float("inf"), "hf_to_tp2": float("inf")}
         rss, rss0 = 0.0, 0.0
         load_before = os.getloadavg()[0]
+        prime = 0 if args.no_prime else prime_size(nbytes)
         for i in range(args.repeat):
-            plain, synced, cpu = timed_copy(src, os.path.join(work, "copy"))
+            plain, synced, cpu = timed_copy(src, os.path.join(work, "copy"), prime)
             best["copy"], best["copy_sync"] = min(best["copy"], plain), min(best["copy_sync"], synced)
             cpu_s["copy"] = min(cpu_s["copy"], cpu)
-            a = run_child(src, os.path.join(work, "hf"), "hf")
-            b = run_child(os.path.join(work, "hf"), os.path.join(work, "tp2"), "tp:2")
+            a = run_child(src, os.path.join(work, "hf"), "hf", prime)
+            b = run_child(os.path.join(work, "hf"), os.path.join(work, "tp2"), "tp:2", prime)
             best["dcp_to_hf"], best["hf_to_tp2"] = min(best["dcp_to_hf"], a["s"]), min(best["hf_to_tp2"], b["s"])
             cpu_s["dcp_to_hf"], cpu_s["hf_to_tp2"] = min(cpu_s["dcp_to_hf"], a["cpu_s"]), min(cpu_s["hf_to_tp2"], b["cpu_s"])
             rss = max(rss, a["peak_rss_mb"], b["peak_rss_mb"])
@@ -177,7 +210,7 @@ def main() -> None:
             "largest_tensor_mb": round(largest_mb, 1), "rss_goal_mb": round(2 * largest_mb + 256, 1),
             "cpu_s": {k: round(v, 3) for k, v in cpu_s.items()},
             "load_avg_1m": [round(load_before, 2), round(os.getloadavg()[0], 2)], "cores": os.cpu_count(),
-            "repeat": args.repeat,
+            "repeat": args.repeat, "prime_gb": round(prime / 1e9, 2),
         }))
     finally:
         shutil.rmtree(work, ignore_errors=True)
