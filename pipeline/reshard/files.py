@@ -20,7 +20,9 @@ from .layout import ReshardError
 
 CHUNK = 16 << 20  # bytes per read call: large enough for disk speed, small enough for buffers
 # bytes per write call from memory: a larger write makes the kernel allocate larger page-cache
-# folios, which cost several times the CPU per byte here whenever free memory is fragmented
+# folios, taken from large free blocks, which a VM host that reclaims freed guest memory (free page
+# reporting reports only large blocks) has to fault in again: 16 MB writes cost 3-6x the CPU per
+# byte of 1 MB writes on such a machine
 WRITE_CHUNK = 1 << 20
 RANGE_BUFFER = 2 << 20  # checksum reads of source ranges: small enough to stay in the CPU cache
 
