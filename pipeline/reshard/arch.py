@@ -14,6 +14,7 @@ Megatron/vLLM ones:
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 
@@ -42,12 +43,8 @@ class Piece:
         order. One run for a split on dim 0 or a whole tensor; one per leading index otherwise."""
         if self.dim is None:
             return [(0, spec.nbytes)]
-        outer = 1
-        for s in spec.shape[: self.dim]:
-            outer *= s
-        inner = spec.dtype.itemsize
-        for s in spec.shape[self.dim + 1 :]:
-            inner *= s
+        outer = math.prod(spec.shape[: self.dim])
+        inner = spec.dtype.itemsize * math.prod(spec.shape[self.dim + 1 :])
         row = spec.shape[self.dim] * inner
         return [(i * row + self.start * inner, i * row + self.stop * inner) for i in range(outer)]
 

@@ -19,6 +19,7 @@ such a trainer loads from one file; DCP itself loads the checkpoint at any other
 from __future__ import annotations
 
 import io
+import math
 import pickle
 from dataclasses import dataclass
 
@@ -136,19 +137,14 @@ class DCPReader:
                 raise ReshardError(f"{folder}/{rel}: shard file missing; the checkpoint is incomplete (copy it or re-save)")
         self.world_size = len(files)
         self._by_name = {s.name: s for s in self.specs}
-        self.segments: tuple[str, list | None] = ("", None)  # of the tensor read last
         self._open: dict[str, object] = {}
 
     def read(self, name: str, out: torch.Tensor | None = None) -> torch.Tensor:
         spec, chunks = self._by_name[name], self._chunks[name]
         out = torch.empty(spec.shape, dtype=spec.dtype) if out is None else out
-        segments = []
-        for c in sorted(chunks, key=lambda c: c.offsets):
+        for c in chunks:
             dest = out[tuple(slice(o, o + s) for o, s in zip(c.offsets, c.sizes))]
-            seg = self._read_chunk(c, dest, f"{self.folder}/{c.info.relative_path} ({MODEL_PREFIX}{name})")
-            slab = all(o == 0 for o in c.offsets[1:]) and tuple(c.sizes[1:]) == tuple(spec.shape[1:])
-            segments = segments if segments is None or seg is None or not slab else segments + [seg]
-        self.segments = (name, segments)
+            self._read_chunk(c, dest, f"{self.folder}/{c.info.relative_path} ({MODEL_PREFIX}{name})")
         return out
 
     def _file(self, rel: str):
@@ -163,19 +159,16 @@ class DCPReader:
         for c in sorted(self._chunks[name], key=lambda c: c.offsets):
             if any(o != 0 for o in c.offsets[1:]) or tuple(c.sizes[1:]) != tuple(spec.shape[1:]):
                 return None
-            f, window, meta, record = self._parse_chunk(c, spec.dtype, c.sizes, f"{self.folder}/{c.info.relative_path}")
-            nbytes = spec.dtype.itemsize
-            for s in c.sizes:
-                nbytes *= s
-            storage = meta.untyped_storage()
-            plain = meta.is_contiguous() and meta.storage_offset() == 0 and storage.nbytes() == nbytes
-            if not (plain and record is not None and isinstance(f, io.FileIO)):
+            f, window, raw = self._parse_chunk(c, spec.dtype, c.sizes, f"{self.folder}/{c.info.relative_path}")
+            if raw is None or not isinstance(f, io.FileIO):
                 return None
-            out.append((f.fileno(), c.info.offset + record, nbytes))
+            out.append((f.fileno(), c.info.offset + raw, math.prod(c.sizes) * spec.dtype.itemsize))
         return out
 
     def _parse_chunk(self, c: _Chunk, dtype: torch.dtype, sizes, where: str):
-        """(file, window, meta tensor, offset of the raw bytes in the window or None), validated."""
+        """(file, window, offset in the window of the chunk's raw bytes), validated; the offset is
+        None unless the record holds exactly those bytes, contiguous (not a view of a larger
+        storage)."""
         f = self._file(c.info.relative_path)
         window = _Slice(f, c.info.offset, c.info.length)
         try:
@@ -187,20 +180,18 @@ class DCPReader:
                 f"{where}: chunk holds {getattr(meta, 'dtype', type(meta))} {list(getattr(meta, 'shape', []))}, "
                 f"metadata says {dtype} {list(sizes)}; mismatched shape"
             )
-        return f, window, meta, getattr(meta.untyped_storage(), "_checkpoint_offset", None)
-
-    def _read_chunk(self, c: _Chunk, dest: torch.Tensor, where: str) -> tuple[int, int, int] | None:
-        """Fill `dest`; returns where its raw bytes lie, (fd, offset, length), when on local disk."""
-        f, window, meta, record = self._parse_chunk(c, dest.dtype, dest.shape, where)
         storage = meta.untyped_storage()
-        plain = meta.is_contiguous() and meta.storage_offset() == 0 and storage.nbytes() == dest.numel() * dest.itemsize
-        if plain and record is not None and dest.is_contiguous():
-            window.seek(record)
+        plain = meta.is_contiguous() and meta.storage_offset() == 0 and storage.nbytes() == math.prod(sizes) * dtype.itemsize
+        return f, window, getattr(storage, "_checkpoint_offset", None) if plain else None
+
+    def _read_chunk(self, c: _Chunk, dest: torch.Tensor, where: str) -> None:
+        _, window, raw = self._parse_chunk(c, dest.dtype, dest.shape, where)
+        if raw is not None and dest.is_contiguous():
+            window.seek(raw)
             read_into(window, dest, where)
-            return (f.fileno(), c.info.offset + record, dest.numel() * dest.itemsize) if isinstance(f, io.FileIO) else None
+            return
         window.seek(0)  # a view-saved or strided chunk: let torch rebuild it, then copy
         dest.copy_(torch.load(window, map_location="cpu", weights_only=True))
-        return None
 
     def close(self) -> None:
         for f in self._open.values():

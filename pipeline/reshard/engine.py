@@ -80,7 +80,7 @@ def _stream_tensors(source, sink, specs, pipe, capacity, log_every_s) -> None:
                 if t is None:
                     return
                 t = source.read(spec.name, t)
-                q.put((spec, t, source.segments(spec.name), not own))
+                q.put((spec, t, None, not own))
             q.put(None)
         except BaseException as e:  # noqa: BLE001 - handed to the writer thread, which raises it
             q.put(e)

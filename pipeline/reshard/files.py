@@ -182,27 +182,19 @@ class OutFile:
         self._writeback()
         return len(view)
 
-    def copy_from(self, segments: list[tuple[int, int, int]], data=None) -> int:
+    def copy_from(self, segments: list[tuple[int, int, int]]) -> int:
         """Append bytes that already lie in local files, (fd, offset, length) in order, copied
         inside the kernel (`copy_file_range`): the page cache feeds the new file directly, which
-        measured about 4x faster than `write()` from memory here. `data`, when given, is the same
-        bytes in memory (stable until the pipe drains); otherwise the checksum thread reads them
+        measured about 4x faster than `write()` from memory here. The checksum thread reads them
         back from the source through a small buffer that stays in the CPU cache."""
         total = sum(n for _, _, n in segments)
-        view = memoryview(data).cast("B") if data is not None else None
-        if view is not None and len(view) != total:
-            raise ValueError(f"{self.path}: segments hold {total} bytes, data {len(view)}")
         if self._tmp is None:  # object store: no in-kernel copy, plain writes
-            return self.write(view if view is not None else _read_segments(segments), stable=True)
+            return self.write(_read_segments(segments), stable=True)
         if self.pipe is not None:
-            if view is not None:
-                for i in range(0, total, CHUNK):
-                    self.pipe.submit(self.checksum, view[i : i + CHUNK])
-            else:
-                for seg in segments:
-                    self.pipe.submit_range(self.checksum, *seg)
+            for seg in segments:
+                self.pipe.submit_range(self.checksum, *seg)
         else:
-            self.checksum.update(view if view is not None else _read_segments(segments))
+            self.checksum.update(_read_segments(segments))
         out = self._f.fileno()
         for fd, offset, length in segments:
             done = 0

@@ -98,15 +98,15 @@ class SafetensorsWriter:
 
     def write(self, name: str, data: memoryview | None, segments: list | None = None) -> None:
         """Append tensor `name`: its bytes in memory (`data`, unchanged until the checksum pipe
-        has hashed them), and/or `segments` (fd, offset, length) saying where its exact bytes
-        already lie on local disk, to be copied in the kernel."""
+        has hashed them), or `segments` (fd, offset, length) saying where its exact bytes already
+        lie on local disk, to be copied in the kernel."""
         want, shape, dtype, nbytes = self._order[self._next]
         view = memoryview(data).cast("B") if data is not None else None
         got = len(view) if view is not None else sum(n for _, _, n in segments or [])
         if name != want or got != nbytes:
             raise RuntimeError(f"{self.out.path}: expected {want} ({nbytes} bytes), got {name} ({got} bytes)")
         if segments:
-            self.out.copy_from(segments, view)
+            self.out.copy_from(segments)
         elif view is None:
             raise RuntimeError(f"{self.out.path}: {name} has neither bytes in memory nor a source to copy from")
         else:

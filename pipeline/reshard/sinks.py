@@ -60,7 +60,8 @@ class Sink:
         return specs
 
     def write(self, spec: TensorSpec, t: torch.Tensor | None, segments: list | None = None) -> None:
-        """Write the whole tensor `spec`; `segments` locate its bytes in local source files."""
+        """Write the whole tensor `spec`: `t` in memory, or (t None) `segments` locating its bytes
+        in local source files."""
         raise NotImplementedError
 
     def finish(self) -> None:

@@ -73,13 +73,9 @@ class Source:
         """The whole tensor `name`, filled into `out` (contiguous, its shape and dtype) if given."""
         raise NotImplementedError
 
-    def segments(self, name: str) -> list[tuple[int, int, int]] | None:
-        """Where the bytes of tensor `name` (as just read) lie in local files, in order:
-        (fd, offset, length). None when they are not one plain run of local bytes."""
-        return None
-
     def locate(self, name: str) -> list[tuple[int, int, int]] | None:
-        """Like `segments`, without reading the tensor first (None if that needs a read)."""
+        """Where the raw bytes of tensor `name` lie in local files, in order, without reading them:
+        (fd, offset, length) each. None when they are not plain runs of local bytes (then `read`)."""
         return None
 
     def close(self) -> None:
@@ -122,12 +118,10 @@ class HFSource(Source):
         path, entry = self._where[name]
         return read_tensor(self._file(path), entry, path, out)
 
-    def segments(self, name: str) -> list[tuple[int, int, int]] | None:
+    def locate(self, name: str) -> list[tuple[int, int, int]] | None:
         path, entry = self._where[name]
         f = self._file(path)
         return [(f.fileno(), entry.begin, entry.end - entry.begin)] if isinstance(f, io.FileIO) else None
-
-    locate = segments
 
 
 class TPSource(Source):
@@ -200,10 +194,6 @@ class DCPSource(Source):
 
     def read(self, name: str, out: torch.Tensor | None = None) -> torch.Tensor:
         return self.reader.read(name, out)
-
-    def segments(self, name: str) -> list[tuple[int, int, int]] | None:
-        last, segments = self.reader.segments
-        return segments if last == name and segments else None
 
     def locate(self, name: str) -> list[tuple[int, int, int]] | None:
         return self.reader.locate(name)

@@ -177,9 +177,6 @@ def test_tensors_in_flight_stay_within_the_ring_and_are_never_overwritten_while_
             out.fill_(float(i))
             return out
 
-        def segments(self, name):
-            return None
-
     class Sink:
         def wants_bytes(self, spec):
             return True
