@@ -95,8 +95,7 @@ def put_if_absent(fs: fsspec.AbstractFileSystem, path: str, data: bytes, fsync: 
                 return False
             fs.pipe_file(path, data)
             return True
-    protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
-    if protocol in ("s3", "s3a", "gs", "gcs"):
+    if _protocol(fs) in ("s3", "s3a", "gs", "gcs"):
         # s3fs sends `If-None-Match: *`, gcsfs `ifGenerationMatch=0` (marked experimental by
         # gcsfs); both stores answer 412 when the object exists, which both libraries raise as
         # FileExistsError. The other checks cover older releases that raise a generic error.
@@ -108,7 +107,7 @@ def put_if_absent(fs: fsspec.AbstractFileSystem, path: str, data: bytes, fsync: 
                 return False
             raise
     raise NotImplementedError(
-        f"create-only writes are not implemented for protocol {protocol!r}; "
+        f"create-only writes are not implemented for protocol {_protocol(fs)!r}; "
         "use a local/NFS path, s3://, gs:// or memory://"
     )
 

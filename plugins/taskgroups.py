@@ -53,7 +53,7 @@ def reshard(checkpoint: dict) -> dict:
     published = publish_phase_checkpoint(run_url, checkpoint["checkpoint"], version)
     if not PolicyStore(RunDir(run_url)).exists(version):
         raise AirflowException(f"reshard of {checkpoint['checkpoint']} did not commit policy v{version}")
-    verify_policy(run_url, version)  # raises when a file is missing or its sha256 differs
+    verify_policy(run_url, version)  # raises when a file is missing or its checksum differs
     print(f"phase {checkpoint['phase']}: policy v{version} {'published' if published else 'already published'}"
           f" from {checkpoint['checkpoint']} and verified")
     return {"phase": checkpoint["phase"], "version": version, "published_now": bool(published)}

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from ..config import RUN_ID_RE
+from ..config import ConfigError, validate_run_id
 from .log import CommitConflict
 from .shards import encode, group_layout, policy_range, write_shard
 from .state import BufferState, ShardInfo
@@ -36,7 +36,10 @@ def run_id_of(buf: "ReplayBuffer") -> str:
     """The run a buffer belongs to: the name of the folder holding it (`<runs>/<run_id>/buffer`)."""
     parts = buf.root.rstrip("/").split("/")
     name = parts[-2] if len(parts) >= 2 else ""
-    return name if RUN_ID_RE.match(name or "") and ".." not in name else "default"
+    try:
+        return validate_run_id(name)
+    except ConfigError:
+        return "default"
 
 
 def _chunks(shards: list[ShardInfo], max_rows: int) -> list[list[ShardInfo]]:
