@@ -2,14 +2,15 @@
 
 Each run reads `<prompts_root>/ds=<YYYY-MM-DD>/*.parquet` for its logical date, starts from the
 policy the latest earlier-dated run published (policy registry on storage; the form's model for
-the first one), and writes to the run directory `rlhf_retrain-<date>`. Runs are idempotent per
-date, so `airflow backfill create --dag-id rlhf_retrain --from-date ... --to-date ...` reruns past
-partitions as separate experiments.
+the first one), and writes to the run directory `rlhf_retrain-<date>` (`-2`, `-3`, ... when the
+date is rerun with other parameters). `rlhf airflow backfill rlhf_retrain --from-date ... --to-date
+...` (or `airflow backfill create ... --reprocess-behavior completed`) reruns past partitions,
+including dates that already ran.
 """
 
 from __future__ import annotations
 
-from datetime import datetime
+from datetime import datetime, timedelta
 
 from airflow.sdk import DAG, Param, task
 
@@ -34,7 +35,7 @@ with DAG(
     doc_md=__doc__,
 ) as dag:
 
-    @task(multiple_outputs=True, retries=1)
+    @task(multiple_outputs=True, retries=1, retry_delay=timedelta(seconds=10))
     def prepare(params=None, dag_run=None, **context) -> dict:
         from plugins.dag_params import runs_root
         from plugins.retrain import partition_date, prepare_retrain
@@ -42,7 +43,7 @@ with DAG(
         date = partition_date(context.get("logical_date"), dag_run)
         return prepare_retrain(DAG_ID, dict(params), dag_run.conf, date, runs_root(params["storage_url"]))
 
-    @task(retries=1)
+    @task(retries=1, retry_delay=timedelta(seconds=10))
     def register(finalized: dict, prepared: dict) -> dict:
         """Record the published policy so that the next date starts from it."""
         from plugins.retrain import register_policy

@@ -8,7 +8,7 @@ fails the run when any task failed. See plugins/taskgroups.py for the graph.
 
 from __future__ import annotations
 
-from datetime import datetime
+from datetime import datetime, timedelta
 
 from airflow.sdk import DAG, task
 
@@ -28,7 +28,7 @@ with DAG(
     doc_md=__doc__,
 ) as dag:
 
-    @task(multiple_outputs=True, retries=1)
+    @task(multiple_outputs=True, retries=1, retry_delay=timedelta(seconds=10))
     def prepare(params=None, dag_run=None) -> dict:
         """Validate the form (again) through the engine's config loader and create the run."""
         from plugins.dag_params import run_name_from

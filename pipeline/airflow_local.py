@@ -40,6 +40,7 @@ DEMO_CONF = {"config_file": "tiny-grpo.yaml"}
 # the task processes write at once.
 SQLITE_CONNECT_ARGS = {"timeout": 60}
 TERMINAL = {"success", "failed"}
+REPROCESS_BEHAVIOURS = ("completed", "failed", "none")  # Airflow's backfill reprocess behaviours
 
 
 class AirflowError(RuntimeError):
@@ -130,8 +131,10 @@ class AirflowClient:
     def dag_run(self, dag_id: str, run_id: str) -> dict:
         return self.request("GET", f"/api/v2/dags/{_q(dag_id)}/dagRuns/{_q(run_id)}")
 
-    def dag_runs(self, dag_id: str) -> list[dict]:
-        return self.request("GET", f"/api/v2/dags/{_q(dag_id)}/dagRuns?limit=100")["dag_runs"]
+    def dag_runs(self, dag_id: str, logical_date: dict[str, str] | None = None) -> list[dict]:
+        """Runs of `dag_id` (up to 100); `logical_date={"gte": ISO, "lte": ISO}` narrows them."""
+        query = "".join(f"&logical_date_{op}={_q(v)}" for op, v in (logical_date or {}).items())
+        return self.request("GET", f"/api/v2/dags/{_q(dag_id)}/dagRuns?limit=100{query}")["dag_runs"]
 
     def task_instances(self, dag_id: str, run_id: str) -> list[dict]:
         path = f"/api/v2/dags/{_q(dag_id)}/dagRuns/{_q(run_id)}/taskInstances?limit=1000"
@@ -177,6 +180,21 @@ def group_alive(pgid: int) -> bool:
     return False
 
 
+def stop_group(pgid: int, grace_s: float = 30.0) -> None:
+    """SIGTERM a process group, then SIGKILL whatever is left of it after `grace_s`."""
+    try:
+        os.killpg(pgid, signal.SIGTERM)
+    except ProcessLookupError:
+        return
+    deadline = time.monotonic() + grace_s
+    while group_alive(pgid) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
 def _q(part: str) -> str:
     return urllib.parse.quote(part, safe="")
 
@@ -197,10 +215,6 @@ class LocalAirflow:
         self.base_url = f"http://127.0.0.1:{self.port}"
 
     # files -------------------------------------------------------------------------------------
-    @property
-    def pids_file(self) -> Path:
-        return self.home / "pids.json"
-
     @property
     def passwords_file(self) -> Path:
         return self.home / "passwords.json"
@@ -281,14 +295,40 @@ class LocalAirflow:
         return out.stdout
 
     # lifecycle ---------------------------------------------------------------------------------
-    def pids(self) -> dict[str, int]:
+    # One supervisor process owns the components: it starts each in its own process group, restarts
+    # one that exits (a scheduler that dies on an upstream bug comes back) and records what it did
+    # in supervisor.json, which `status` reads. `down` asks it to stop them all.
+    @property
+    def state_file(self) -> Path:
+        return self.home / "supervisor.json"
+
+    def state(self) -> dict:
         try:
-            return {k: int(v) for k, v in json.loads(self.pids_file.read_text()).items()}
-        except FileNotFoundError:
+            return json.loads(self.state_file.read_text())
+        except (FileNotFoundError, json.JSONDecodeError):
             return {}
 
+    def pids(self) -> dict[str, int]:
+        """Process-group ids of the components the supervisor last started."""
+        return {name: int(c["pid"]) for name, c in self.state().get("components", {}).items() if c.get("pid")}
+
+    def supervisor_alive(self) -> bool:
+        pid = self.state().get("pid")
+        return bool(pid) and group_alive(int(pid))
+
     def running(self) -> dict[str, bool]:
-        return {name: group_alive(pid) for name, pid in self.pids().items()}
+        comps = self.state().get("components", {})
+        return {name: bool(c.get("pid")) and group_alive(int(c["pid"])) for name, c in comps.items()}
+
+    def status(self) -> dict:
+        """What `rlhf airflow status` prints: the supervisor, each component, the REST health."""
+        state, running = self.state(), self.running()
+        comps = {name: {**c, "alive": running.get(name, False)} for name, c in state.get("components", {}).items()}
+        sup = self.supervisor_alive()
+        healthy = sup and bool(comps) and all(c["alive"] for c in comps.values())
+        return {"home": str(self.home), "url": self.base_url, "healthy": healthy,
+                "supervisor": {"pid": state.get("pid"), "alive": sup}, "components": comps,
+                "health": self.client().health() if sup else None}
 
     def migrate(self) -> None:
         """Create or upgrade the metadata DB and the device pool (idempotent)."""
@@ -303,12 +343,11 @@ class LocalAirflow:
                   "one slot per accelerator; sampler, trainer and finalize each hold one")
 
     def up(self, wait_s: float = 180.0) -> AirflowClient:
-        if any(self.running().values()):
+        if self.supervisor_alive() or any(self.running().values()):
             raise AirflowError(f"Airflow of {self.home} is already running ({self.pids()}); run `rlhf airflow down`")
         self.migrate()
         try:
-            for name in COMPONENTS:
-                self._start(name)
+            self.start_supervisor()
             client = self.client()
             self.wait_healthy(client, wait_s)
             return client
@@ -316,28 +355,49 @@ class LocalAirflow:
             self.down()
             raise
 
-    def _start(self, name: str) -> int:
-        """Start one component in its own process group; its pid is recorded in pids.json."""
-        with open(self.log_file(name), "ab") as log:
-            proc = subprocess.Popen([*self._airflow(), *COMPONENTS[name]], env=self.env(), stdout=log,
-                                    stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
-                                    cwd=str(self.home))
-        self.pids_file.write_text(json.dumps({**self.pids(), name: proc.pid}))
+    def start_supervisor(self, components: dict[str, list[str]] | None = None, wait_s: float = 30.0) -> int:
+        """Start the supervisor, detached in its own session; return once every component runs.
+        `components` (name -> argv) defaults to the four Airflow components."""
+        spec = components or {name: [*self._airflow(), *args] for name, args in COMPONENTS.items()}
+        self.home.mkdir(parents=True, exist_ok=True)
+        (self.home / "logs").mkdir(exist_ok=True)
+        (self.home / "supervisor-spec.json").write_text(json.dumps(spec))
+        self.state_file.unlink(missing_ok=True)
+        for hold in self.home.glob("hold-*"):
+            hold.unlink()
+        with open(self.log_file("supervisor"), "ab") as log:
+            proc = subprocess.Popen([sys.executable, "-m", "pipeline.airflow_local", "supervise", str(self.home)],
+                                    env=self.env(), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                    start_new_session=True, cwd=str(self.home))
+        deadline = time.monotonic() + wait_s
+        while set(self.pids()) != set(spec) or not all(self.running().values()):
+            if proc.poll() is not None:
+                raise AirflowError(f"the supervisor exited ({proc.returncode}); see {self.log_file('supervisor')}")
+            if time.monotonic() > deadline:
+                raise AirflowError(f"components not started after {wait_s:.0f}s: {self.running()}")
+            time.sleep(0.2)
         return proc.pid
 
-    def _stop(self, name: str, grace_s: float = 30.0) -> None:
-        pid = self.pids().get(name)
-        if pid is None:
-            return
-        try:
-            os.killpg(pid, signal.SIGTERM)
-        except ProcessLookupError:
-            return
-        deadline = time.monotonic() + grace_s
-        while group_alive(pid) and time.monotonic() < deadline:
-            time.sleep(0.5)
-        if group_alive(pid):
-            os.killpg(pid, signal.SIGKILL)
+    def _hold(self, name: str) -> Path:
+        return self.home / f"hold-{name}"
+
+    def _stop(self, name: str, timeout_s: float = 60.0) -> None:
+        """Stop one component and keep it stopped (the supervisor holds it) until `_start(name)`."""
+        self._hold(name).touch()
+        deadline = time.monotonic() + timeout_s
+        while self.state().get("components", {}).get(name, {}).get("status") != "held":
+            if not self.supervisor_alive() or time.monotonic() > deadline:
+                raise AirflowError(f"{name} was not stopped; see {self.log_file('supervisor')}")
+            time.sleep(0.2)
+
+    def _start(self, name: str, timeout_s: float = 60.0) -> None:
+        """Let the supervisor start a held component again; return once it runs."""
+        self._hold(name).unlink(missing_ok=True)
+        deadline = time.monotonic() + timeout_s
+        while self.state().get("components", {}).get(name, {}).get("status") != "running":
+            if not self.supervisor_alive() or time.monotonic() > deadline:
+                raise AirflowError(f"{name} did not start again; see {self.log_file('supervisor')}")
+            time.sleep(0.2)
 
     def wait_healthy(self, client: AirflowClient, wait_s: float) -> dict:
         deadline = time.monotonic() + wait_s
@@ -354,35 +414,67 @@ class LocalAirflow:
         raise AirflowError(f"Airflow not healthy after {wait_s:.0f}s: {health}; logs in {self.home / 'logs'}")
 
     def down(self, grace_s: float = 30.0) -> list[str]:
-        """SIGTERM every component's process group, SIGKILL what is left after `grace_s`."""
-        pids = self.pids()
-        for pid in pids.values():
-            try:
-                os.killpg(pid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
-        deadline = time.monotonic() + grace_s
-        while time.monotonic() < deadline and any(self.running().values()):
-            time.sleep(0.5)
-        for name, alive in self.running().items():
-            if alive:
-                try:
-                    os.killpg(pids[name], signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-        self.pids_file.unlink(missing_ok=True)
-        return list(pids)
+        """Ask the supervisor to stop every component (SIGTERM to each process group, SIGKILL what
+        is left after `grace_s`); do it here for whatever is still alive if the supervisor is gone."""
+        state = self.state()
+        names = list(state.get("components", {}))
+        sup = int(state.get("pid") or 0)
+        if sup and group_alive(sup):
+            os.killpg(sup, signal.SIGTERM)
+            deadline = time.monotonic() + grace_s + 10
+            while group_alive(sup) and time.monotonic() < deadline:
+                time.sleep(0.3)
+        for pid in [*self.pids().values(), sup]:
+            if pid and group_alive(pid):
+                stop_group(pid, grace_s=5)
+        self.state_file.unlink(missing_ok=True)
+        return names
 
     def client(self) -> AirflowClient:
         user, password = self.credentials()
         return AirflowClient(self.base_url, user, password)
 
     def backfill(self, dag_id: str, from_date: str, to_date: str, conf: dict | None = None,
-                 max_active_runs: int = 1) -> str:
+                 max_active_runs: int = 1, reprocess: str = "completed", wait_in_flight_s: float = 3600.0,
+                 log=print) -> list[dict]:
+        """Queue a run of `dag_id` for every date its schedule has in [from_date, to_date] and
+        return those runs; raise AirflowError naming any date that got none.
+
+        `reprocess` is Airflow's reprocess behaviour. The default, "completed", does what a user
+        who names dates asks for: a date that already ran (the scheduler's own run of the latest
+        interval, an earlier backfill, failed or successful) is cleared and run again with `conf`.
+        Airflow skips a date whose run is still in flight; this waits for such runs to finish
+        first (up to `wait_in_flight_s`), so every date named gets its run."""
+        if reprocess not in REPROCESS_BEHAVIOURS:
+            raise ValueError(f"reprocess: {reprocess!r}; use one of {', '.join(REPROCESS_BEHAVIOURS)}")
+        client = self.client()
+        span = {"gte": f"{from_date}T00:00:00Z", "lte": f"{to_date}T00:00:00Z"}
+        deadline = time.monotonic() + wait_in_flight_s
+        while busy := [r for r in client.dag_runs(dag_id, logical_date=span) if r["state"] not in TERMINAL]:
+            if time.monotonic() > deadline:
+                raise AirflowError(f"runs still in flight after {wait_in_flight_s:.0f}s: "
+                                   f"{[(r['dag_run_id'], r['state']) for r in busy]}")
+            log(f"waiting for {len(busy)} run(s) in the range to finish: "
+                + ", ".join(f"{r['dag_run_id']} ({r['state']})" for r in busy))
+            time.sleep(5)
+        planned = client.request("POST", "/api/v2/backfills/dry_run", {
+            "dag_id": dag_id, "from_date": span["gte"], "to_date": span["lte"], "reprocess_behavior": reprocess,
+            "max_active_runs": max_active_runs})["backfills"]
+        wanted = sorted(b["logical_date"] for b in planned if b.get("logical_date"))
         args = ["backfill", "create", "--dag-id", dag_id, "--from-date", from_date, "--to-date", to_date,
-                "--max-active-runs", str(max_active_runs)]
+                "--max-active-runs", str(max_active_runs), "--reprocess-behavior", reprocess]
         if conf:
             args += ["--dag-run-conf", json.dumps(conf)]
+        self._backfill_cli(args)
+        runs = {_day_time(r["logical_date"]): r for r in client.dag_runs(dag_id, logical_date=span)
+                if r["run_type"] == "backfill"}
+        missing = [d for d in wanted if _day_time(d) not in runs]
+        if missing:
+            raise AirflowError(f"backfill of {dag_id} made no run for {missing}; runs seen: "
+                               f"{[(r['dag_run_id'], r['state']) for r in client.dag_runs(dag_id, logical_date=span)]}")
+        return [runs[_day_time(d)] for d in wanted]
+
+    def _backfill_cli(self, args: list[str]) -> str:
         try:
             return self._cli(*args, attempts=2)
         except AirflowError as e:
@@ -396,6 +488,108 @@ class LocalAirflow:
             return self._cli(*args)
         finally:
             self._start("scheduler")
+
+
+def _day_time(iso: str) -> str:
+    """A logical date as `YYYY-MM-DDTHH:MM:SS` (UTC), whatever suffix the API wrote."""
+    from datetime import datetime, timezone
+
+    when = datetime.fromisoformat(iso.replace("Z", "+00:00"))
+    return when.astimezone(timezone.utc).strftime("%Y-%m-%dT%H:%M:%S")
+
+
+# ------------------------------------------------------------------------------------------------
+# The supervisor process: `python -m pipeline.airflow_local supervise HOME`
+# ------------------------------------------------------------------------------------------------
+RESTART_BACKOFF_S = (1, 2, 5, 10, 30)  # by restarts of that component in the last 10 minutes
+
+
+class _Supervisor:
+    """Starts the components of `home/supervisor-spec.json`, each in its own process group, and
+    restarts one whose leader exits, after what it left in its group (executor workers, task
+    supervisors) is killed; Airflow then fails and retries the tasks those ran. A file
+    `hold-<name>` keeps a component stopped. SIGTERM, SIGINT or SIGHUP stop everything."""
+
+    def __init__(self, home: Path):
+        self.home = home
+        self.spec: dict[str, list[str]] = json.loads((home / "supervisor-spec.json").read_text())
+        self.procs: dict[str, subprocess.Popen | None] = dict.fromkeys(self.spec)
+        self.comps = {name: {"pid": None, "status": "starting", "restarts": 0, "last_exit": None,
+                             "last_exit_at": None} for name in self.spec}
+        self.next_start = dict.fromkeys(self.spec, 0.0)
+        self.exits: dict[str, list[float]] = {name: [] for name in self.spec}
+        self.stopping = False
+
+    def log(self, msg: str) -> None:
+        print(f"{time.strftime('%Y-%m-%dT%H:%M:%S')} {msg}", flush=True)
+
+    def save(self) -> None:
+        tmp = self.home / ".supervisor.json.tmp"
+        tmp.write_text(json.dumps({"pid": os.getpid(), "components": self.comps}, indent=1))
+        os.replace(tmp, self.home / "supervisor.json")
+
+    def spawn(self, name: str) -> None:
+        with open(self.home / "logs" / f"{name}.log", "ab") as out:
+            proc = subprocess.Popen(self.spec[name], stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                    start_new_session=True, cwd=str(self.home))
+        self.procs[name] = proc
+        self.comps[name].update(pid=proc.pid, status="running", started_at=time.time())
+        self.log(f"started {name} (pid {proc.pid})")
+
+    def exited(self, name: str, proc: subprocess.Popen, held: bool) -> None:
+        stop_group(proc.pid, grace_s=5)
+        self.procs[name] = None
+        comp = self.comps[name]
+        comp.update(last_exit=proc.returncode, last_exit_at=time.time(), status="held" if held else "restarting")
+        if held:
+            return
+        now = time.monotonic()
+        self.exits[name] = [t for t in self.exits[name] if now - t < 600] + [now]
+        delay = RESTART_BACKOFF_S[min(len(self.exits[name]), len(RESTART_BACKOFF_S)) - 1]
+        self.next_start[name] = now + delay
+        comp["restarts"] += 1
+        self.log(f"{name} exited with code {proc.returncode}; restart {comp['restarts']} in {delay}s")
+
+    def step(self) -> None:
+        for name in self.spec:
+            held = (self.home / f"hold-{name}").exists()
+            proc = self.procs[name]
+            if proc is not None and proc.poll() is not None:
+                self.exited(name, proc, held)
+            elif proc is not None and held:
+                self.log(f"stopping {name} (held)")
+                stop_group(proc.pid)
+                proc.wait()
+                self.exited(name, proc, held=True)
+            elif proc is None and not held and time.monotonic() >= self.next_start[name]:
+                self.spawn(name)
+            else:
+                continue
+            self.save()
+
+    def run(self, poll_s: float = 0.5) -> int:
+        def on_signal(signum, frame):
+            self.stopping = True
+
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            signal.signal(sig, on_signal)
+        self.save()
+        while not self.stopping:
+            self.step()
+            time.sleep(poll_s)
+        self.log("stopping every component")
+        live = [p for p in self.procs.values() if p is not None and p.poll() is None]
+        for proc in live:
+            try:
+                os.killpg(proc.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+        for proc in live:
+            stop_group(proc.pid, grace_s=30)
+        for comp in self.comps.values():
+            comp["status"] = "stopped"
+        self.save()
+        return 0
 
 
 # ------------------------------------------------------------------------------------------------
@@ -481,11 +675,32 @@ def cmd_down(args) -> int:
 
 
 def cmd_status(args) -> int:
+    """Each component: alive or dead, pid, restarts and last exit code; exit 1 if one is down."""
     af = _deployment(args)
-    running = af.running()
-    print(json.dumps({"home": str(af.home), "url": af.base_url, "processes": running,
-                      "health": af.client().health() if running else None}, indent=1))
-    return 0 if running and all(running.values()) else 1
+    report = af.status()
+    print(json.dumps(report, indent=1))
+    return 0 if report["healthy"] else 1
+
+
+def cmd_backfill(args) -> int:
+    af = _deployment(args)
+    if not af.supervisor_alive():
+        print(f"error: Airflow of {af.home} is not running; start it with `rlhf airflow up`", file=sys.stderr)
+        return 2
+    try:
+        conf = json.loads(args.conf) if args.conf else None
+    except json.JSONDecodeError as e:
+        print(f"error: --conf is not JSON: {e}", file=sys.stderr)
+        return 2
+    try:
+        runs = af.backfill(args.dag_id, args.from_date, args.to_date, conf=conf,
+                           max_active_runs=args.max_active_runs, reprocess=args.reprocess)
+    except AirflowError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    for run in runs:
+        print(f"{run['logical_date'][:10]}: {run['dag_run_id']} ({run['state']})")
+    return 0
 
 
 def cmd_demo(args) -> int:
@@ -511,19 +726,33 @@ def cmd_demo(args) -> int:
 
 
 def add_parser(subparsers) -> None:
-    p = subparsers.add_parser("airflow", help="embedded Airflow: up, down, status, demo")
+    p = subparsers.add_parser("airflow", help="embedded Airflow: up, down, status, demo, backfill")
     sub = p.add_subparsers(dest="airflow_cmd", required=True)
     for name, fn, help_ in (("up", cmd_up, "start api-server, scheduler, dag-processor, triggerer"),
                             ("down", cmd_down, "stop the components (SIGTERM to their process groups)"),
                             ("status", cmd_status, "show the components and their health"),
-                            ("demo", cmd_demo, "up, trigger rlhf_train with the demo config, follow it, down")):
+                            ("demo", cmd_demo, "up, trigger rlhf_train with the demo config, follow it, down"),
+                            ("backfill", cmd_backfill, "queue a run for every date of a range (reruns dates that ran)")):
         s = sub.add_parser(name, help=help_)
         s.add_argument("--home", default=str(REPO / ".airflow"), help="AIRFLOW_HOME (default .airflow/)")
         s.add_argument("--port", type=int, default=8080)
         s.add_argument("--runs-root", default=str(REPO / "runs"), help="where run directories are created")
+        if name == "backfill":
+            s.add_argument("dag_id")
+            s.add_argument("--from-date", required=True, help="YYYY-MM-DD, first logical date")
+            s.add_argument("--to-date", required=True, help="YYYY-MM-DD, last logical date (inclusive)")
+            s.add_argument("--conf", default=None, help="JSON run conf, as the trigger form's fields")
+            s.add_argument("--max-active-runs", type=int, default=1)
+            s.add_argument("--reprocess", choices=REPROCESS_BEHAVIOURS, default="completed",
+                           help="dates that already ran: rerun them (completed, the default), only failed "
+                                "ones (failed), or skip them (none)")
         if name == "demo":
             s.add_argument("--config-file", default=None, help="a YAML name in configs/ (default tiny-grpo.yaml)")
             s.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                            help="config override, e.g. --set trainer.steps=40")
             s.add_argument("--timeout", type=float, default=3600.0, help="seconds to wait for the run")
         s.set_defaults(fn=fn)
+
+
+if __name__ == "__main__" and sys.argv[1:2] == ["supervise"]:
+    sys.exit(_Supervisor(Path(sys.argv[2])).run())

@@ -8,11 +8,11 @@ import importlib.util
 import json
 import logging
 import os
-import signal
 import sys
 import traceback
 
 from .config import ConfigError
+from .signals import StopSignal, handle_stop_signals
 
 
 def _setup_logging(verbose: bool) -> None:
@@ -137,21 +137,20 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _sigterm_to_exit(signum, frame):
-    # SIGTERM (Airflow's on_kill, the runner, Kubernetes) unwinds like Ctrl-C, so `finally`
-    # blocks flush the buffer writer and the metrics before the process exits.
-    raise KeyboardInterrupt()
-
-
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     _setup_logging(args.verbose)
-    signal.signal(signal.SIGTERM, _sigterm_to_exit)
+    # SIGINT, SIGTERM and SIGHUP unwind like Ctrl-C, so `finally` blocks commit the buffer writer's
+    # shards and flush the metrics; an inherited ignore of SIGINT or SIGHUP is honoured
+    handle_stop_signals()
     try:
         return args.fn(args) or 0
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except StopSignal as e:
+        print(f"stopped by {e.signum.name}", file=sys.stderr)
+        return e.exit_code
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130

@@ -37,7 +37,8 @@ def validate_run_id(run_id: str) -> str:
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # field docstrings become the JSON schema's descriptions (the trigger form shows them)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, use_attribute_docstrings=True)
 
 
 class ModelConfig(_Section):
@@ -71,6 +72,7 @@ class SamplerConfig(_Section):
     prompts_per_batch: int = Field(16, gt=0)
     """Prompts per generation call; one rollout shard per call."""
     max_new_tokens: int = Field(16, gt=0)
+    """Longest completion, in tokens; generation stops there or at the end-of-sequence token."""
     temperature: float = Field(1.0, gt=0)
     top_p: float = Field(1.0, gt=0, le=1)
     max_staleness: int = Field(2, ge=0)
@@ -93,6 +95,7 @@ class TrainerConfig(_Section):
     groups_per_step: int = Field(16, gt=0)
     """Prompt groups consumed per optimizer step."""
     lr: float = Field(1e-3, gt=0)
+    """Learning rate of the policy (AdamW)."""
     weight_decay: float = Field(0.0, ge=0)
     max_grad_norm: float = Field(1.0, gt=0)
     warmup_steps: int = Field(0, ge=0)
@@ -145,6 +148,8 @@ class TrainerConfig(_Section):
     """Trainer processes the local runner starts (torchrun + FSDP2 when > 1)."""
     sync_every: int = Field(1, gt=0)
     """Publish a new policy version for the sampler every N steps."""
+    keep_policy_versions: int = Field(3, ge=1)
+    """Policy versions kept: the newest K; v0, phase-end versions (the last is the final one) and any version a sampler is loading stay as well, older ones are deleted after each publication."""
     threads: int = Field(1, gt=0)
     """torch intra-op threads of the trainer process."""
     log_every: int = Field(5, gt=0)
@@ -218,6 +223,7 @@ class RunConfig(_Section):
     run_id: str | None = None
     """Run name used in paths; generated from the time when empty."""
     seed: int = 0
+    """Seed of the built-in model and prompts, the prompt order, sampling and replay draws."""
     model: ModelConfig = ModelConfig()
     data: DataConfig = DataConfig()
     reward: RewardConfig = RewardConfig()

@@ -3,24 +3,53 @@
 A version exists only once its manifest exists (create-only), so a sampler never loads a partial
 folder. `policy/latest.json` points to the newest version; it is a hint updated after the commit,
 and the manifest stays the source of truth.
+
+Retention (`retain`): the trainer deletes old versions after each publication; a loader takes the
+newest version through `lease_latest`, which records a lease in `policy/leases/<holder>.json`, and
+no version is deleted while a lease on it is held. On object stores a reader gets a version through
+a local copy (`local_dir`, in the cache); the copies of a run are bounded too (`LOCAL_COPIES`).
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import hashlib
 import json
+import logging
 import os
 import re
+import shutil
 import tempfile
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, Iterator
 
 from .models import cache_dir
 from .runs import RunDir
-from .storage import is_local, list_names, put_atomic, read_bytes
+from .storage import delete, is_local, list_names, put_atomic, read_bytes
 
+log = logging.getLogger("rlhf.policy")
 VERSION_RE = re.compile(r"^v(\d{6,})$")
+LEASES = "leases"
+LEASE_TTL_S = 3600.0
+"""A lease older than this is ignored (its holder died while loading): it pins a version for at most this long."""
+LEASE_ATTEMPTS = 5
+LOCAL_COPIES = 2
+"""Local copies of a remote run's versions kept in the cache besides v0: the newest ones."""
 
 
 def version_dirname(version: int) -> str:
     return f"v{version:06d}"
+
+
+@dataclass(frozen=True)
+class PolicyLease:
+    version: int
+    path: str
+    """A local folder with the version's files, valid while the lease is held."""
 
 
 class PolicyStore:
@@ -74,29 +103,165 @@ class PolicyStore:
         versions = self.versions()
         return versions[-1] if versions else None
 
+    def _folders(self) -> list[int]:
+        """Every `v<K>` folder, committed or not."""
+        return sorted(int(m.group(1)) for m in map(VERSION_RE.match, list_names(self.fs, self.run.path("policy"))) if m)
+
     def versions(self) -> list[int]:
-        out = []
-        for name in list_names(self.fs, self.run.path("policy")):
-            m = VERSION_RE.match(name)
-            if m and self.exists(int(m.group(1))):
-                out.append(int(m.group(1)))
-        return sorted(out)
+        return [v for v in self._folders() if self.exists(v)]
+
+    # loading ----------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def lease_latest(self, holder: str) -> Iterator[PolicyLease]:
+        """The newest version, which `retain` does not delete until the block exits: load it inside.
+
+        The lease is written before the manifest is read. `retain` removes a manifest before it
+        reads the leases, so either it sees this lease and keeps the files, or the manifest was
+        already gone when read here, and the newest version is taken again."""
+        lease = self.run.path("policy", LEASES, f"{holder}.json")
+        try:
+            for _ in range(LEASE_ATTEMPTS):
+                version = self.latest()
+                if version is None:
+                    raise FileNotFoundError(f"{self.run.url}: no policy version is published")
+                put_atomic(self.fs, lease, json.dumps({"version": version, "time": time.time()}).encode(), fsync=False)
+                try:
+                    folder = self.local_dir(version)
+                except FileNotFoundError:
+                    log.info("policy v%d was deleted before it could be loaded; taking the newest again", version)
+                    continue
+                with self._pinned(folder) as pinned:
+                    if pinned:
+                        yield PolicyLease(version, folder)
+                        return
+            raise FileNotFoundError(f"{self.run.url}: no policy version stayed published long enough to be "
+                                    f"leased ({LEASE_ATTEMPTS} attempts)")
+        finally:
+            delete(self.fs, lease)
+
+    def leased(self) -> set[int]:
+        """Versions under a lease younger than LEASE_TTL_S."""
+        out = set()
+        folder = self.run.path("policy", LEASES)
+        for name in list_names(self.fs, folder):
+            try:
+                lease = json.loads(read_bytes(self.fs, f"{folder}/{name}"))
+                version, taken = int(lease["version"]), float(lease["time"])
+            except (FileNotFoundError, ValueError, KeyError, TypeError):
+                continue  # released meanwhile, or not a lease
+            if time.time() - taken < LEASE_TTL_S:
+                out.add(version)
+        return out
+
+    # retention --------------------------------------------------------------------------------
+    def retain(self, keep: int, protected: Iterable[int] = ()) -> list[int]:
+        """Delete the versions older than the newest `keep` committed ones, except `protected` and
+        those under a lease. Returns the versions deleted.
+
+        Each goes in two steps: its manifest first (the uncommit: from then on no reader starts on
+        it), then, once the leases have been read, its files. A loader writes its lease before it
+        reads the manifest (`lease_latest`), so a loader that found the manifest has a lease this
+        read sees. Folders without a manifest (a killed publication, or files kept for a lease)
+        are removed by a later call. Only the publisher of the versions that are not `protected`
+        may call this, after its publication returned: a version being published is either newer
+        than the newest `keep` or protected."""
+        if keep < 1:
+            raise ValueError(f"keep={keep}: at least the newest version must stay")
+        committed = self.versions()
+        if len(committed) <= keep:
+            return []
+        oldest_kept = committed[-keep]
+        protected = set(protected)
+        doomed = [v for v in self._folders() if v < oldest_kept and v not in protected]
+        if not doomed:
+            return []
+        for v in doomed:
+            delete(self.fs, self._dir(v) + "/manifest.json")
+        leased = self.leased()
+        deleted = []
+        for v in doomed:
+            if v in leased:
+                continue
+            try:
+                self.fs.rm(self._dir(v), recursive=True)
+            except FileNotFoundError:
+                pass
+            deleted.append(v)
+        if deleted:
+            log.info("policy retention: deleted %s", ", ".join(f"v{v}" for v in deleted))
+        return deleted
+
+    # local copies -----------------------------------------------------------------------------
+    def _cache(self) -> Path:
+        return cache_dir() / "policies" / f"{self.run.run_id}-{hashlib.sha256(self.run.url.encode()).hexdigest()[:8]}"
 
     def local_dir(self, version: int) -> str:
-        """A local folder with the committed files of `version` (the folder itself on local disk)."""
+        """A local folder with the committed files of `version` (the folder itself on local disk;
+        on object stores a copy in the cache, which keeps v0 and the newest LOCAL_COPIES)."""
         manifest = self.manifest(version)
         if manifest is None:
             raise FileNotFoundError(f"policy version {version} is not published in {self.run.url}")
         if is_local(self.fs):
             return self._dir(version)
-        dst = cache_dir() / "policies" / self.run.run_id / version_dirname(version)
+        dst = self._cache() / version_dirname(version)
         if not (dst / "manifest.json").exists():
-            tmp = tempfile.mkdtemp(prefix="dl-", dir=dst.parent if dst.parent.exists() else None)
-            for name in manifest["files"]:
-                self.fs.get_file(f"{self._dir(version)}/{name}", os.path.join(tmp, name))
-            with open(os.path.join(tmp, "manifest.json"), "w") as f:
-                json.dump(manifest, f)
             dst.parent.mkdir(parents=True, exist_ok=True)
-            if not dst.exists():
+            tmp = tempfile.mkdtemp(prefix=".dl-", dir=dst.parent)
+            try:
+                for name in manifest["files"]:
+                    os.makedirs(os.path.dirname(os.path.join(tmp, name)), exist_ok=True)
+                    self.fs.get_file(f"{self._dir(version)}/{name}", os.path.join(tmp, name))
+                with open(os.path.join(tmp, "manifest.json"), "w") as f:
+                    json.dump(manifest, f)
                 os.rename(tmp, dst)
+            except OSError:
+                shutil.rmtree(tmp, ignore_errors=True)
+                if not (dst / "manifest.json").exists():  # not a concurrent download that got there first
+                    raise
+            _prune_copies(dst.parent, keep={0, version})
         return str(dst)
+
+    @contextlib.contextmanager
+    def _pinned(self, folder: str) -> Iterator[bool]:
+        """Hold a cached copy against pruning (a shared lock); False if it was pruned meanwhile."""
+        if is_local(self.fs):
+            yield True
+            return
+        try:
+            fd = os.open(folder, os.O_RDONLY)
+        except FileNotFoundError:
+            yield False
+            return
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH)
+            try:
+                same = os.stat(folder).st_ino == os.fstat(fd).st_ino and os.path.exists(f"{folder}/manifest.json")
+            except FileNotFoundError:
+                same = False
+            yield same
+        finally:
+            os.close(fd)
+
+
+def _prune_copies(parent: Path, keep: set[int]) -> None:
+    """Delete the cached copies of a run except `keep` and the newest LOCAL_COPIES; a copy a
+    reader holds (`_pinned`) is skipped."""
+    copies = sorted(int(m.group(1)) for m in (VERSION_RE.match(p.name) for p in parent.iterdir()) if m)
+    keep = keep | set(copies[-LOCAL_COPIES:])
+    for v in copies:
+        if v in keep:
+            continue
+        path = parent / version_dirname(v)
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            trash = parent / f".trash-{uuid.uuid4().hex}"
+            os.rename(path, trash)  # readers see it gone at once, not half deleted
+            shutil.rmtree(trash, ignore_errors=True)
+        except (BlockingIOError, FileNotFoundError):
+            pass
+        finally:
+            os.close(fd)

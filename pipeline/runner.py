@@ -20,6 +20,7 @@ from .example import ensure_example
 from .policy import PolicyStore
 from .rewards import load_reward_fn
 from .runs import RunDir, new_run_id, run_url_for
+from .signals import StopSignal, default_stop_signals
 from .storage import url_to_fs
 from .summary import build_summary
 
@@ -63,11 +64,13 @@ def validate_inputs(cfg: RunConfig) -> dict:
 
 
 def prepare(cfg: RunConfig, run_url: str | None = None, runs_root: str = DEFAULT_RUNS_ROOT) -> RunDir:
-    """Validate, create the run directory, stage prompts, publish policy v0. Idempotent on retry."""
-    src = validate_inputs(cfg)
+    """Validate, create the run directory, stage prompts, publish policy v0. Idempotent on retry.
+    Where the run goes is checked first ('..', a folder that is not a run's), before any input loads."""
     if run_url is None:
-        run_url = run_url_for(os.path.abspath(runs_root), cfg.run_id or new_run_id())
+        run_url = run_url_for(runs_root, cfg.run_id or new_run_id())
     run = RunDir(run_url)
+    run.check_creatable()
+    src = validate_inputs(cfg)
     run.create(cfg)
     if not run.fs.exists(run.path("data", "train.parquet")):
         stage(src["train"], run.fs, run.path("data", "train.parquet"), "data.train")
@@ -119,12 +122,22 @@ def _child(cmd: str, run: RunDir, threads: int, nproc: int = 1) -> subprocess.Po
                TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"] \
         if nproc > 1 else [sys.executable]
+    # A session of its own: a terminal's Ctrl-C or hangup reaches the runner only, which stops the
+    # children through the stop marker (and SIGTERM to their group if they overstay).
     return subprocess.Popen([*launcher, "-m", "pipeline", cmd, "--run-dir", run.url], env=env,
-                            start_new_session=True)
+                            start_new_session=True, preexec_fn=default_stop_signals)
 
 
 def run_local(cfg: RunConfig, run_url: str | None = None, progress: bool = True) -> dict:
-    """prepare -> sampler + trainer subprocesses -> finalize. Ctrl-C stops both cleanly."""
+    """prepare -> sampler + trainer subprocesses -> finalize.
+
+    Ctrl-C, SIGTERM and SIGHUP stop runner, sampler and trainer cleanly: the runner writes the
+    stop marker, the sampler commits its queued shards, the trainer stops at its next wait
+    (`pipeline.signals`).
+    Started with SIGINT ignored (`rlhf run ... &` in a script) or SIGHUP ignored (nohup), the
+    runner keeps ignoring it, as whoever started it that way intends; SIGTERM still stops it. The
+    sampler and trainer get the default dispositions back instead of inheriting the ignore.
+    """
     from .progress import follow
     from .trainer.phases import advance
 
@@ -145,7 +158,8 @@ def run_local(cfg: RunConfig, run_url: str | None = None, progress: bool = True)
             raise RuntimeError(f"trainer exited with {rc}, sampler with {src}; see the output above and {run.url}/metrics")
     except BaseException as e:
         # Ctrl-C or a failure: ask both processes to stop at their next poll, then make sure.
-        run.request_stop("interrupted" if isinstance(e, KeyboardInterrupt) else f"runner failed: {e}")
+        run.request_stop(f"interrupted by {e.signum.name}" if isinstance(e, StopSignal) else
+                         "interrupted" if isinstance(e, KeyboardInterrupt) else f"runner failed: {e}")
         deadline = time.time() + 15
         for p in procs.values():
             _terminate(p, grace_s=max(0.0, deadline - time.time()))

@@ -9,7 +9,7 @@ Layout under the run URL (any fsspec URL, e.g. file:///data/runs/<run_id> or s3:
     checkpoints/step_<N>/    trainer checkpoints (trainer layout)
     policy/v<K>/             policy versions in sampler layout, each committed by its manifest
     markers/<name>.json      phase done, replay gate open, stop, trainer/sampler state
-    metrics/<proc>.jsonl     one metrics stream per process
+    metrics/<proc>.jsonl     one metrics stream per process (+ metrics/<proc>/ parts, see pipeline.metrics)
     summary.json             written when the run finishes
 
 Every object another process reads is published atomically (see pipeline.storage).
@@ -18,12 +18,18 @@ Every object another process reads is published atomically (see pipeline.storage
 from __future__ import annotations
 
 import json
+import os
+import re
 import time
 from datetime import datetime, timezone
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any
+from urllib.parse import unquote
 
 from .config import ConfigError, RunConfig, parse_config, validate_run_id
-from .storage import join, list_names, put_atomic, put_if_absent, read_bytes, to_url, url_to_fs
+from .storage import is_temporary, join, list_names, put_atomic, put_if_absent, read_bytes, to_url, url_to_fs
+
+if TYPE_CHECKING:
+    from .metrics import MetricsLog
 
 MARKER_NAME_CHARS = set("abcdefghijklmnopqrstuvwxyz0123456789_.-")
 
@@ -33,7 +39,50 @@ def new_run_id(prefix: str = "run") -> str:
 
 
 def run_url_for(runs_root: str, run_id: str) -> str:
+    """The run directory `run_id` under `runs_root` (a URL, or a path relative to the working folder)."""
+    validate_run_url(runs_root, "runs root")
+    if "://" not in runs_root:
+        runs_root = os.path.abspath(runs_root)
     return join(runs_root, validate_run_id(run_id))
+
+
+# run URLs and the roots they live under -------------------------------------------------------------
+# Protocols that name the same store, for comparing a URL with a root.
+_SAME_STORE = {"local": "file", "s3a": "s3", "gcs": "gs", "az": "abfs"}
+
+
+def validate_run_url(url: str, field: str = "run directory") -> str:
+    """Refuse a run directory or runs root with a '..' segment, also percent-encoded or between
+    backslashes. fsspec resolves '..' before writing, so `file:///some/dir/../../etc` would become
+    `/etc`; refusing is clearer than resolving, and nothing is written before this check."""
+    path = url.split("://", 1)[-1]
+    for _ in range(3):  # %2e%2e, and %252e%252e (encoded twice) ...
+        path, before = unquote(path), path
+        if path == before:
+            break
+    if ".." in re.split(r"[/\\]", path):
+        raise ConfigError(f"{field}: {url!r} has a '..' segment; pass the absolute path of the folder itself, "
+                          "without '..'")
+    return url
+
+
+def _location(url: str) -> tuple[str, tuple[str, ...]]:
+    """(store, path segments) of a URL or local path, for comparisons; '.' and empty segments dropped.
+    Nothing is decoded: a segment that is encoded differently is another name, hence not inside."""
+    validate_run_url(url)
+    protocol, sep, path = url.partition("://")
+    if not sep:
+        protocol, path = "file", os.path.abspath(url)
+    protocol = protocol.lower()
+    return _SAME_STORE.get(protocol, protocol), tuple(s for s in path.split("/") if s not in ("", "."))
+
+
+def url_is_under(url: str, root: str) -> bool:
+    """Whether `url` is `root` or lies inside it: same store, and root's path segments are a prefix
+    of url's (`/data/runs2` is not under `/data/runs`). Raises ConfigError on a '..' segment."""
+    store, path = _location(url)
+    root_store, root_path = _location(root)
+    return store == root_store and path[: len(root_path)] == root_path
 
 
 class RunDir:
@@ -42,7 +91,7 @@ class RunDir:
     def __init__(self, url: str):
         if not url:
             raise ConfigError("--run-dir: empty URL; pass a path or fsspec URL such as file:///tmp/runs/r1")
-        self.fs, self.root = url_to_fs(url)
+        self.fs, self.root = url_to_fs(validate_run_url(url))
         self.url = to_url(self.fs, self.root)
         validate_run_id(self.root.rstrip("/").rsplit("/", 1)[-1])
 
@@ -65,14 +114,41 @@ class RunDir:
     def exists(self) -> bool:
         return self.fs.exists(self.path("config.yaml"))
 
+    def check_creatable(self) -> None:
+        """Refuse a folder that holds files but is not a run directory (no config.yaml), such as
+        `--run-dir /etc`. A missing or empty folder, or a run directory (a retried prepare), is fine;
+        so are temporaries a killed writer left behind."""
+        try:
+            self.fs.invalidate_cache(self.root)
+            entries = self.fs.ls(self.root, detail=False)
+        except (FileNotFoundError, NotADirectoryError):
+            return
+        names = sorted({e.rstrip("/").rsplit("/", 1)[-1] for e in entries} - {""})
+        names = [n for n in names if not is_temporary(n)]
+        if not names or "config.yaml" in names:
+            return
+        if self.fs.isfile(self.root):
+            raise ConfigError(f"run directory {self.url} is a file; choose a new or empty folder")
+        shown = ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
+        raise ConfigError(f"run directory {self.url} is not empty and not a run directory (no config.yaml; "
+                          f"holds {shown}); choose a new or empty folder")
+
     def create(self, config: RunConfig) -> bool:
         """Freeze `config` into the run directory. Returns False if the run already existed with the
-        same config (a retried prepare); raises if it existed with a different one."""
+        same config (a retried prepare); raises if it existed with a different one, or if the folder
+        holds something else (see `check_creatable`)."""
         config = config.model_copy(update={"run_id": self.run_id})
         text = config.to_yaml().encode()
+        self.check_creatable()
         if put_if_absent(self.fs, self.path("config.yaml"), text):
             return True
-        existing = self.config()
+        import yaml
+
+        try:
+            existing = self.config()
+        except (ValueError, TypeError, yaml.YAMLError) as e:  # ConfigError, or not a YAML mapping
+            raise ConfigError(f"run directory {self.url} holds a config.yaml that is not a run config of "
+                              f"rlhf-pipeline ({e}); choose a new or empty folder") from None
         if existing.model_dump() != config.model_dump():
             raise ConfigError(
                 f"run directory {self.url} already holds a different config; "
@@ -119,61 +195,55 @@ class RunDir:
     def markers(self) -> list[str]:
         return [n[: -len(".json")] for n in list_names(self.fs, self.path("markers")) if n.endswith(".json")]
 
-    def request_stop(self, reason: str = "") -> None:
-        self.set_marker("stop", {"reason": reason})
+    def request_stop(self, reason: str = "", *, by: str = "", attempt: int | None = None) -> None:
+        """Ask the sampler, the trainer and the orchestrator's waiting sensors to stop; `by` names
+        the writer. `attempt` marks a stop that ends one attempt of an unfinished run (the teardown
+        after a trainer task that failed passes the orchestrator's attempt number, in Airflow the
+        DAG run's clear count): for a later attempt (the failed run cleared in the UI) it is stale,
+        and that attempt resumes the run. A stop without `attempt` (a user's, the local runner's,
+        the one after the trainer finished) is final."""
+        self.set_marker("stop", {"reason": reason, "by": by, "attempt": attempt})
 
-    def stop_requested(self) -> bool:
-        return self.has_marker("stop")
+    def stop_marker(self, attempt: int | None = None) -> dict | None:
+        """The stop marker's payload; None when there is none, or when it is stale for `attempt`:
+        it ended an earlier attempt (its `attempt` < `attempt`) and the trainer has not finished."""
+        stop = self.marker("stop")
+        if stop is None or attempt is None or stop.get("attempt") is None:
+            return stop
+        if int(stop["attempt"]) < int(attempt) and not self.has_marker("trainer_done"):
+            return None
+        return stop
+
+    def stop_requested(self, attempt: int | None = None) -> bool:
+        if attempt is None:
+            return self.has_marker("stop")
+        return self.stop_marker(attempt) is not None
+
+    def clear_stale_stop(self, attempt: int | None) -> dict | None:
+        """Remove the stop marker if it is stale for `attempt` (see `stop_marker`), before the
+        engine processes of that attempt start: they poll `stop_requested()` and know nothing of
+        attempts. Returns the removed payload, or None when there was nothing stale."""
+        from .storage import delete
+
+        stop = self.marker("stop")
+        if stop is None or attempt is None or self.stop_marker(attempt) is not None:
+            return None
+        delete(self.fs, self.path(self._marker("stop")))
+        return stop
 
     # metrics ----------------------------------------------------------------------------------
     def metrics(self, stream: str) -> "MetricsLog":
+        """The writer of one metrics stream (see pipeline.metrics)."""
+        from .metrics import MetricsLog
+
         return MetricsLog(self, stream)
 
     def read_metrics(self, stream: str) -> list[dict]:
-        try:
-            raw = read_bytes(self.fs, self.path(f"metrics/{stream}.jsonl"))
-        except FileNotFoundError:
-            return []
-        out = []
-        for line in raw.decode().splitlines():
-            try:
-                out.append(json.loads(line))
-            except json.JSONDecodeError:
-                break  # a line being appended right now
-        return out
+        from .metrics import read_stream
 
+        return read_stream(self, stream)
 
-class MetricsLog:
-    """Append-only JSONL metrics of one process. Local disk: appended and flushed per record.
-    Object stores (no append): the whole stream is re-published atomically every `flush_every`."""
+    def metric_streams(self) -> list[str]:
+        from .metrics import stream_names
 
-    def __init__(self, run: RunDir, stream: str, flush_every: int = 1):
-        if not stream or not set(stream) <= MARKER_NAME_CHARS:
-            raise ValueError(f"metrics stream {stream!r}: use lowercase letters, digits, '_', '.', '-'")
-        self.run = run
-        self.path = run.path(f"metrics/{stream}.jsonl")
-        self._local = run.fs.protocol in ("file", "local") or "file" in run.fs.protocol
-        self._lines: list[str] = [json.dumps(r) for r in run.read_metrics(stream)]
-        self._pending = 0
-        self.flush_every = flush_every
-        if self._local:
-            run.fs.makedirs(run.path("metrics"), exist_ok=True)
-
-    def log(self, record: dict) -> None:
-        line = json.dumps({"time": time.time(), **record})
-        self._lines.append(line)
-        if self._local:
-            with open(self.path, "a") as f:
-                f.write(line + "\n")
-        else:
-            self._pending += 1
-            if self._pending >= self.flush_every:
-                self.flush()
-
-    def flush(self) -> None:
-        if not self._local and self._pending:
-            put_atomic(self.run.fs, self.path, ("\n".join(self._lines) + "\n").encode())
-            self._pending = 0
-
-    def __iter__(self) -> Iterator[dict]:
-        return (json.loads(x) for x in self._lines)
+        return stream_names(self)

@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import os
+import re
 import threading
 import uuid
 from dataclasses import dataclass
@@ -21,6 +22,7 @@ from fsspec.implementations.local import LocalFileSystem
 from fsspec.implementations.memory import MemoryFileSystem
 
 _memory_lock = threading.Lock()
+_TMP_NAME = re.compile(r"^\..+\.tmp-[0-9a-f]{32}$")
 
 
 def url_to_fs(url: str, **storage_options: Any) -> tuple[fsspec.AbstractFileSystem, str]:
@@ -48,6 +50,11 @@ def to_url(fs: fsspec.AbstractFileSystem, path: str) -> str:
 def _local_tmp(path: str) -> str:
     d, name = os.path.split(path)
     return os.path.join(d, f".{name}.tmp-{uuid.uuid4().hex}")
+
+
+def is_temporary(name: str) -> bool:
+    """A base name `_local_tmp` makes: a killed writer leaves one behind, and it is no one's data."""
+    return bool(_TMP_NAME.match(name))
 
 
 def write_local(path: str, data: bytes, fsync: bool, mode: str = "wb") -> None:

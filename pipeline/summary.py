@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from .runs import RunDir
-from .storage import list_names
 
 
 def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
@@ -36,8 +35,7 @@ def _busy(records: list[dict]) -> list[tuple[float, float]]:
 
 
 def sampler_streams(run: RunDir) -> list[str]:
-    return [n[: -len(".jsonl")] for n in list_names(run.fs, run.path("metrics"))
-            if n.startswith("sampler") and n.endswith(".jsonl")]
+    return [n for n in run.metric_streams() if n.startswith("sampler")]
 
 
 def build_summary(run: RunDir, eval_before: dict, eval_after: dict, policy_version: int) -> dict:

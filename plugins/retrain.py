@@ -66,7 +66,7 @@ def prepare_retrain(dag_id: str, params: dict, conf: dict | None, date: str, run
         extra["model.path"] = previous["policy_url"]
     start = previous["policy_url"] if previous else "the form's model"
     print(f"{date}: {rows} prompts from {prompts_root}/ds={date}; starting from {start}")
-    out = prepare_run(dag_id, params, None, run_name, extra)
+    out = prepare_run(dag_id, params, None, run_name, extra, rerun_suffix=True)
     return {**out, "date": date, "start_policy": previous["policy_url"] if previous else None}
 
 

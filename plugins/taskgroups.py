@@ -6,6 +6,13 @@
              ├─► replay_gate[e] ───────────────────────┴─► finalize (after the trainer too; Asset event)
     every task ─► watcher (fails the run when any task failed)
 
+Clearing a failed run (all its tasks, or only the failed ones) resumes it: the stop marker the
+teardown wrote names the attempt it ended, the sampler and trainer tasks of a later attempt remove
+it before their processes start, sensors ignore it, and the trainer resumes from its last
+checkpoint. The sampler stopped that way and the teardown fail, so "only failed" clears them
+too. Clearing the trainer task alone (with its downstream: finalize, stop_sampler, watcher) resumes
+the trainer, but neither the sampler nor the failed sensors are downstream of it: clear those too.
+
 Phases and replay epochs are run parameters, so their tasks are mapped over the lists `prepare`
 returns (dynamic task mapping) rather than generated when the file is parsed. The engine is
 imported inside the task functions only: parsing a DAG file never loads torch or pyarrow.
@@ -17,7 +24,7 @@ import os
 from datetime import timedelta
 
 from airflow.sdk import Asset, task, task_group, teardown
-from airflow.sdk.exceptions import AirflowException
+from airflow.sdk.exceptions import AirflowException, AirflowFailException
 
 from plugins.operators.finalize import FinalizeRunOperator
 from plugins.operators.rlhf import RlhfProcessOperator
@@ -67,15 +74,29 @@ def phase_group(phase: int, run_url: str, poke_interval: float) -> None:
     reshard(ready.output)
 
 
-def _stop_sampler(run_url: str) -> str:
+def _stop_sampler(run_url: str, dag_run=None) -> str:
     """Ask the sampler to stop once the trainer task is over, whatever its outcome. Waiting sensors
-    see the stop marker too, so a failed trainer fails them instead of leaving them waiting."""
+    see the stop marker too, so a failed trainer fails them instead of leaving them waiting.
+
+    After a trainer that did not finish, the stop names this attempt of the DAG run (its clear
+    count): clearing the failed run starts a later attempt, for which this stop is stale, so the
+    cleared sampler, trainer and sensors resume instead of stopping at once. This task then fails
+    (having stopped the run), so that clearing only the failed tasks runs it again after the
+    resumed trainer."""
     from pipeline.runs import RunDir
 
+    from plugins.hooks.run_dir import run_attempt
+
     run = RunDir(run_url)
-    if not run.stop_requested():
+    attempt = run_attempt({"dag_run": dag_run})
+    if not run.stop_requested(attempt):
         done = run.has_marker("trainer_done")
-        run.request_stop("trainer finished" if done else "trainer task ended without finishing")
+        run.request_stop("trainer finished" if done else "trainer task ended without finishing",
+                         by="stop_sampler", attempt=None if done else attempt)
+    stop = run.stop_marker(attempt) or {}
+    if stop.get("attempt") is not None and not run.has_marker("trainer_done"):
+        raise AirflowFailException(f"stopped the run: the {stop.get('reason')}; clear this DAG run's failed tasks "
+                                   "(or the whole run) to resume it from the trainer's last checkpoint")
     return run_url
 
 
@@ -93,7 +114,8 @@ def plan_replay_epochs(epochs: list[int]) -> list[int]:
 
 @task(trigger_rule="one_failed", retries=0)
 def watcher() -> None:
-    """Teardown tasks succeed even when the work failed; this task makes the DAG run fail then."""
+    """Airflow leaves teardown tasks out when it decides a run's state, and a run whose work failed
+    may still end with a successful teardown: this task makes the DAG run fail then."""
     raise AirflowException("a task of this run failed; see the failed task's log")
 
 
@@ -127,11 +149,14 @@ def training_run(dag_id: str, prepared, *, poke_interval: float = 5.0) -> dict:
             "finalize": finalize, "stop": stop}
 
 
-def prepare_run(dag_id: str, params: dict, conf: dict | None, run_name: str, extra: dict | None = None) -> dict:
+def prepare_run(dag_id: str, params: dict, conf: dict | None, run_name: str, extra: dict | None = None,
+                *, rerun_suffix: bool = False) -> dict:
     """Body of a DAG's prepare task: validated config -> run directory, prompts, policy v0.
 
     `extra` holds config keys the DAG decides itself (e.g. the retrain's dated prompts), applied
-    over the form. Idempotent: a retried prepare finds the same run directory and config.
+    over the form. Idempotent: a retried prepare finds the same run directory and config. With
+    `rerun_suffix`, a run directory `run_name` that holds another config (the same date rerun with
+    other parameters) is kept, and the run goes to `run_name-2`, `-3`, ... instead.
     """
     from pipeline.config import apply_overrides
     from pipeline.runner import prepare
@@ -145,12 +170,30 @@ def prepare_run(dag_id: str, params: dict, conf: dict | None, run_name: str, ext
 
         data = apply_overrides(config.model_dump(mode="json"), [f"{k}={_json(v)}" for k, v in extra.items()])
         config = parse_config(data)
-    run = prepare(config, run_url_for(runs_root(params.get("storage_url") or ""), run_name))
+    root = runs_root(params.get("storage_url") or "")
+    if rerun_suffix:
+        run_name = _unused_or_same(root, run_name, config)
+    run = prepare(config, run_url_for(root, run_name))
     n_phases = int(getattr(config.trainer, "phases", 1) or 1)
     n_epochs = int(getattr(config.trainer, "replay_epochs", 0) or 0)
     print(f"{dag_id}: run directory {run.url} ({n_phases} phases, {n_epochs} replay epochs)")
     return {"run_url": run.url, "run_id": run.run_id, "phases": list(range(n_phases)),
             "replay_epochs": list(range(n_epochs))}
+
+
+def _unused_or_same(root: str, run_name: str, config) -> str:
+    """`run_name`, or the first of `run_name-2`, `-3`, ... that is unused or holds this config."""
+    from pipeline.runs import RunDir, run_url_for
+
+    for n in range(1, 1000):
+        name = run_name if n == 1 else f"{run_name}-{n}"
+        run = RunDir(run_url_for(root, name))
+        if not run.exists():
+            return name
+        mine = config.model_copy(update={"run_id": run.run_id}).model_dump()
+        if run.config().model_dump() == mine:
+            return name
+    raise ValueError(f"{run_name}: 999 reruns with other configs already exist under {root}")
 
 
 def _json(value) -> str:

@@ -3,6 +3,7 @@ import shutil
 import tempfile
 
 import pytest
+from spawner import Spawner
 
 # Tests share one small example cache; two cores: one thread per process.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -31,3 +32,11 @@ def digit_example():
     from pipeline.example import ensure_example
 
     return ensure_example("digit", 0)
+
+
+@pytest.fixture
+def spawn():
+    """Start processes for this test (see `spawner.Spawner`): own process group, default signal
+    dispositions; whatever they started is SIGKILLed at teardown, passed, failed or timed out."""
+    with Spawner() as spawner:
+        yield spawner

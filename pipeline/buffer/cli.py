@@ -1,7 +1,8 @@
 """`rlhf buffer stats|verify|compact|gc URL`: inspect and maintain a buffer from a shell.
 
 URL is a buffer (`.../<run_id>/buffer`) or a run directory (its `buffer/` and the buffer settings
-of its frozen config are used).
+of its frozen config are used; empty until the sampler's first commit). Any other path is an error
+(exit 2, one line naming it): reading it as an empty buffer would report a missing buffer as healthy.
 """
 
 from __future__ import annotations
@@ -9,12 +10,13 @@ from __future__ import annotations
 import json
 import sys
 
-from ..config import BufferConfig
+from ..config import BufferConfig, ConfigError
 
 
 def open_buffer(url: str):
     from ..storage import join, url_to_fs
     from .buffer import ReplayBuffer
+    from .log import LOG_DIR
 
     fs, root = url_to_fs(url)
     if fs.exists(join(root, "config.yaml")):
@@ -22,6 +24,9 @@ def open_buffer(url: str):
 
         run = RunDir(url)
         return ReplayBuffer(run.buffer_url, run.config().buffer)
+    if not fs.exists(join(root, LOG_DIR)):
+        raise ConfigError(f"{url}: no buffer there (no commit log {LOG_DIR}/); pass a buffer folder "
+                          "(<run dir>/buffer) or a run directory")
     return ReplayBuffer(url, BufferConfig())
 
 

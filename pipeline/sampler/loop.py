@@ -1,7 +1,8 @@
 """The persistent sampler: generate groups with the latest policy, score them, commit shards.
 
 It runs until the stop marker appears or the trainer is done. Each iteration:
-1. load the newest published policy version in place (no restart);
+1. load the newest published policy version in place (no restart), under a lease that keeps
+   retention from deleting it meanwhile;
 2. wait while it is more than `max_staleness` versions ahead of the trainer (the rate limiter);
 3. generate `group_size` completions for each of `prompts_per_batch` prompts, record the
    behaviour log-probs and the policy version, score them with the reward function;
@@ -73,14 +74,14 @@ def run_sampler(run_url: str, sampler_id: str = "sampler-0") -> dict:
     prompts = load_prompts(run.child_url("data", "train.parquet"))
     reward_fn = load_reward_fn(cfg.reward.fn)
     store = PolicyStore(run)
-    version = store.latest()
-    if version is None:
+    if store.latest() is None:
         raise RuntimeError(f"{run.url}: no policy published; run `rlhf prepare` first")
-    policy_dir = store.local_dir(version)
-    tokenizer = load_tokenizer(policy_dir)
-    backend = make_backend(sc.backend, policy_dir, dtype=cfg.model.dtype, threads=sc.threads,
-                           seed=cfg.seed + zlib.crc32(sampler_id.encode()) % 1000, options=sc.vllm,
-                           max_batch_tokens=sc.max_batch_tokens)
+    with store.lease_latest(sampler_id) as lease:  # retention keeps the version until it is loaded
+        version = lease.version
+        tokenizer = load_tokenizer(lease.path)
+        backend = make_backend(sc.backend, lease.path, dtype=cfg.model.dtype, threads=sc.threads,
+                               seed=cfg.seed + zlib.crc32(sampler_id.encode()) % 1000, options=sc.vllm,
+                               max_batch_tokens=sc.max_batch_tokens)
     buffer = ReplayBuffer(run.buffer_url, cfg.buffer)
     writer = buffer.writer(sampler_id)
     stream = PromptStream(prompts, cfg.seed, int(state.get("prompt_position", 0)))
@@ -101,8 +102,10 @@ def run_sampler(run_url: str, sampler_id: str = "sampler-0") -> dict:
                 break
             latest = store.latest()
             if latest is not None and latest > version:
-                reload_s += backend.load_weights(store.local_dir(latest))
-                version = latest
+                with store.lease_latest(sampler_id) as lease:
+                    if lease.version > version:
+                        reload_s += backend.load_weights(lease.path)
+                        version = lease.version
             produced = max(buffer.committed_groups(), committed_at_start + handed_over)
             if batch_ahead(produced, gps, version) > sc.max_staleness or \
                     limiter.blocked_by(sc.prompts_per_batch) is not None:

@@ -11,7 +11,7 @@ that generated it; staleness = trainer version - rollout version.
         replay epochs due now: wait for the gate, draw by priority, train with the importance
         weights, write new priorities back
         phase end: checkpoint + phase marker | every checkpoint_every: checkpoint
-        otherwise every sync_every: publish the policy in-process
+        otherwise every sync_every: publish the policy in-process, delete versions past the newest K
 
 Run as one process or under torchrun (see distributed.py). Rank 0 alone writes metrics, markers,
 buffer commits and policies.
@@ -19,7 +19,6 @@ buffer commits and policies.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import signal
@@ -32,14 +31,13 @@ from ..buffer import ReplayBuffer
 from ..models import load_model, load_tokenizer, set_threads
 from ..policy import PolicyStore
 from ..runs import RunDir
-from ..storage import put_atomic
 from .algorithms import get_algorithm
 from .batch import collate
 from .checkpoint import TrainerState, latest_checkpoint, load_checkpoint, save_checkpoint
 from .critic import ActorCritic, ValueHead
 from .distributed import World, init_world, shard
 from .phases import phase_done_marker, phase_end_steps, replay_epoch_steps, replay_gate_marker
-from .publish import publish_policy
+from .publish import prune_policies, publish_policy
 from .step import train_step
 
 log = logging.getLogger("rlhf.trainer")
@@ -108,7 +106,7 @@ def rollback_metrics(run: RunDir, step: int) -> None:
     records = run.read_metrics("trainer")
     keep = [r for r in records if r.get("step", 0) <= step]
     if len(keep) != len(records):
-        put_atomic(run.fs, run.path("metrics/trainer.jsonl"), "".join(json.dumps(r) + "\n" for r in keep).encode())
+        run.metrics("trainer").replace(keep)
 
 
 class Trainer:
@@ -268,6 +266,8 @@ class Trainer:
                                     kind="periodic", keep=tc.keep_checkpoints)
                 if st.step not in phase_ends and st.step % tc.sync_every == 0:
                     publish_policy(run, st.step, self.actor, self.tokenizer, world)
+                    if world.is_main:
+                        prune_policies(self.store, tc)
                 if world.is_main and (st.step % tc.log_every == 0 or st.step == tc.steps):
                     log.info("step %d/%d reward %.3f loss %.4f staleness %.2f tok/s %.0f", st.step, tc.steps,
                              rec["reward/mean"], rec["actor/loss"], rec["staleness/mean"], rec["perf/tokens_per_s"])

@@ -6,6 +6,11 @@ tokenizer, manifest last).
 
 Phase boundary (`publish_phase_checkpoint`): the checkpoint closing a phase becomes `policy/v<step>`
 through `pipeline.reshard.publish_checkpoint` (the DAG's reshard task calls the same function).
+
+Retention (`prune_policies`, rank 0 after each in-phase publication; the trainer is the one deleter):
+the newest `trainer.keep_policy_versions` versions stay, and so do v0 (the reference policy and
+every trainer's starting weights), each phase-end version (the last one is the final policy that
+finalize exports) and any version a sampler is loading (its lease, see `PolicyStore.retain`).
 """
 
 from __future__ import annotations
@@ -16,8 +21,10 @@ import tempfile
 import torch
 
 from ..policy import PolicyStore
+from ..config import TrainerConfig
 from ..runs import RunDir
 from .distributed import World
+from .phases import phase_end_steps
 
 
 def _save_folder(folder: str, weights: dict[str, torch.Tensor], config, generation_config, tokenizer) -> None:
@@ -55,3 +62,8 @@ def publish_phase_checkpoint(run_url: str, checkpoint_url: str, version: int) ->
     from ..reshard import publish_checkpoint
 
     return bool(publish_checkpoint(run_url, checkpoint_url, version))
+
+
+def prune_policies(store: PolicyStore, tc: TrainerConfig) -> list[int]:
+    """Delete the in-phase versions beyond the newest `tc.keep_policy_versions`. Returns those deleted."""
+    return store.retain(tc.keep_policy_versions, protected={0, *phase_end_steps(tc)})

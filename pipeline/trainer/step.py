@@ -89,6 +89,135 @@ def _critic_advantages(actor: ActorCritic, plan, prox, hidden, tc: TrainerConfig
     return _whiten(advs, plan, world), targets, values
 
 
+@dataclass
+class _Tally:
+    """Sums and maxima of the first update epoch, and the per-group priority accumulators."""
+    sums: dict
+    maxes: dict
+    prio: torch.Tensor  # [2, G]: sum of |advantage| over response tokens, response tokens
+
+    @classmethod
+    def new(cls, groups: int) -> "_Tally":
+        return cls(dict.fromkeys(_SUMS, 0.0), dict.fromkeys(_MAXES, 0.0), torch.zeros(2, groups, dtype=torch.float64))
+
+
+@dataclass
+class _Loss:
+    total: torch.Tensor
+    logprobs: torch.Tensor
+    prox: torch.Tensor
+    adv: torch.Tensor
+    s: dict                          # policy_loss statistics
+    pg: torch.Tensor
+    ent: torch.Tensor
+    kl: torch.Tensor | None = None
+    vf: torch.Tensor | None = None
+    values: torch.Tensor | None = None
+
+
+def _advantages(actor: ActorCritic, algo, batch: TrainBatch, plan, tc: TrainerConfig, temperature: float,
+                world: World):
+    """(sequence advantages [B] or None, proximal log-probs per micro-batch (None: the current
+    policy's, detached), token advantages and value targets per micro-batch (critic only))."""
+    seq_adv = None
+    if algo.advantage is not None:
+        seq_adv = ADVANTAGES[algo.advantage](batch.rewards, batch.group_index, std_normalize=tc.std_normalize)
+    prox: list[torch.Tensor | None] = [None] * len(plan)
+    tok_adv = targets = None
+    if algo.critic or tc.update_epochs > 1:
+        with torch.no_grad():
+            pre = [forward(actor.policy, mb, temperature, hidden=algo.critic) for mb, _ in plan]
+        prox = [f.logprobs for f in pre]
+        if algo.critic:
+            tok_adv, targets, _ = _critic_advantages(actor, plan, prox, [f.hidden for f in pre], tc, world)
+    return seq_adv, prox, tok_adv, targets
+
+
+def _micro_batch_loss(actor: ActorCritic, ref, mb: TrainBatch, prox, adv, target, algo, tc: TrainerConfig,
+                      temperature: float) -> _Loss:
+    """Policy loss (+ KL to the reference, - entropy bonus, + value loss) of one micro-batch, summed
+    over its tokens as `tc.loss_agg` says (not yet divided by the batch's denominator)."""
+    f = forward(actor.policy, mb, temperature, entropy=True, hidden=algo.critic)
+    p = prox if prox is not None else f.logprobs.detach()
+    per_tok, s = policy_loss(f.logprobs, p, mb.behavior_logprobs, adv, mb.mask, clip_eps=tc.clip_eps,
+                             decoupled=tc.decoupled, is_level=tc.is_level, is_clip=tc.is_clip)
+    w = mb.sample_weight.unsqueeze(-1)
+    pg = aggregate_sum(per_tok * w, mb.mask, tc.loss_agg)
+    ent = aggregate_sum(f.entropy, mb.mask, tc.loss_agg)
+    out = _Loss(total=pg, logprobs=f.logprobs, prox=p, adv=adv, s=s, pg=pg, ent=ent)
+    if ref is not None:
+        with torch.no_grad():
+            ref_lp = forward(ref, mb, temperature).logprobs
+        out.kl = aggregate_sum(KL_ESTIMATORS[tc.kl_estimator](f.logprobs, ref_lp), mb.mask, tc.loss_agg)
+        out.total = out.total + tc.kl_coef * out.kl
+    if tc.entropy_coef > 0:
+        out.total = out.total - tc.entropy_coef * ent
+    if algo.critic:
+        out.values = actor.critic(f.hidden) * mb.mask
+        out.vf = aggregate_sum(value_loss(out.values, target) * w, mb.mask, tc.loss_agg)
+        out.total = out.total + tc.vf_coef * out.vf
+    return out
+
+
+def _tally(t: _Tally, loss: _Loss, mb: TrainBatch, target, version: int | None) -> None:
+    """Add one micro-batch of the first update epoch to the step's statistics and priorities."""
+    m = mb.mask > 0
+    for k in ("tokens", "clip_sum", "ratio_sum", "is_sum", "is_clipped"):
+        t.sums[k] += loss.s[k]
+    for k in _MAXES:
+        t.maxes[k] = max(t.maxes[k], loss.s[k])
+    t.sums["pg_sum"] += float(loss.pg.detach())
+    t.sums["ent_sum"] += float(loss.ent.detach())
+    t.sums["samples"] += float(mb.mask.shape[0])
+    if loss.kl is not None:
+        t.sums["kl_sum"] += float(loss.kl.detach())
+    if loss.vf is not None:
+        t.sums["vf_sum"] += float(loss.vf.detach())
+        t.sums["value_sum"] += float(loss.values.detach()[m].sum())
+        t.sums["target_sum"] += float(target[m].sum())
+    t.sums["shift_sum"] += float((loss.prox - mb.behavior_logprobs).abs()[m].sum())
+    if version is not None:
+        same = m & (mb.policy_version == version).unsqueeze(-1)
+        t.sums["gap_sum"] += float((loss.logprobs.detach() - mb.behavior_logprobs).abs()[same].sum())
+        t.sums["gap_tokens"] += float(same.sum())
+    adv = loss.adv
+    a_tok = (adv if adv.dim() == 2 else adv.unsqueeze(-1).expand_as(mb.mask)).abs() * mb.mask
+    gi = mb.group_index.cpu()
+    t.prio[0].index_add_(0, gi, a_tok.sum(-1).double().cpu())
+    t.prio[1].index_add_(0, gi, mb.mask.sum(-1).double().cpu())
+
+
+def _reduce(t: _Tally, pad: float, world: World) -> tuple[dict, dict, torch.Tensor, float]:
+    """Sum (and max) the tallies over ranks: (sums, maxes, priority accumulators, padding ratio)."""
+    flat = torch.tensor([t.sums[k] for k in _SUMS], dtype=torch.float64, device=world.comm_device)
+    world.sum_(flat)
+    mx = world.max_(torch.tensor([t.maxes[k] for k in _MAXES], dtype=torch.float64, device=world.comm_device))
+    prio = world.sum_(t.prio.to(world.comm_device)).cpu()
+    pad_t = world.sum_(torch.tensor([pad], dtype=torch.float64, device=world.comm_device))
+    return dict(zip(_SUMS, flat.tolist())), dict(zip(_MAXES, mx.tolist())), prio, float(pad_t[0]) / world.size
+
+
+def _stats(sums: dict, maxes: dict, denom: float, grad_norm: float, pad: float, n_micro: int,
+           with_ref: bool, with_critic: bool) -> dict:
+    n = max(sums["tokens"], 1.0)
+    stats = {
+        "actor/pg_loss": sums["pg_sum"] / denom, "actor/entropy": sums["ent_sum"] / denom,
+        "actor/clip_frac": sums["clip_sum"] / n, "actor/ratio_mean": sums["ratio_sum"] / n,
+        "actor/ratio_max": maxes["ratio_max"], "actor/grad_norm": grad_norm,
+        "actor/behaviour_shift": sums["shift_sum"] / n,
+        "is/weight_mean": sums["is_sum"] / n, "is/weight_max": maxes["is_max"], "is/clip_frac": sums["is_clipped"] / n,
+        "trainer/padding_ratio": pad, "trainer/micro_batches": n_micro,
+    }
+    if with_ref:
+        stats["actor/kl"] = sums["kl_sum"] / denom
+    if with_critic:
+        stats.update({"critic/vf_loss": sums["vf_sum"] / denom, "critic/value_mean": sums["value_sum"] / n,
+                      "critic/target_mean": sums["target_sum"] / n})
+    if sums["gap_tokens"]:
+        stats["actor/logprob_gap"] = sums["gap_sum"] / sums["gap_tokens"]
+    return stats
+
+
 def train_step(actor: ActorCritic, ref, opt, batch: TrainBatch, tc: TrainerConfig, temperature: float, *,
                world: World | None = None, scheduler=None, version: int | None = None) -> StepResult:
     """See the module docstring. `version`: the trainer's policy version before this step (for the
@@ -96,103 +225,30 @@ def train_step(actor: ActorCritic, ref, opt, batch: TrainBatch, tc: TrainerConfi
     world = world or World()
     algo = get_algorithm(tc.algorithm)
     denom = denominator(batch.mask, tc.loss_agg)
-    G = len(batch.group_ids)
-    seq_adv = None
-    if algo.advantage is not None:
-        seq_adv = ADVANTAGES[algo.advantage](batch.rewards, batch.group_index, std_normalize=tc.std_normalize)
     plan, plan_rows, pad = _plan(batch, tc, world)
-    prox: list[torch.Tensor | None] = [None] * len(plan)
-    if algo.critic or tc.update_epochs > 1:
-        with torch.no_grad():
-            pre = [forward(actor.policy, mb, temperature, hidden=algo.critic) for mb, _ in plan]
-        prox = [f.logprobs for f in pre]
-    targets = None
-    if algo.critic:
-        tok_adv, targets, values = _critic_advantages(actor, plan, prox, [f.hidden for f in pre], tc, world)
-
-    sums = dict.fromkeys(_SUMS, 0.0)
-    maxes = dict.fromkeys(_MAXES, 0.0)
-    prio = torch.zeros(2, G, dtype=torch.float64)
+    seq_adv, prox, tok_adv, targets = _advantages(actor, algo, batch, plan, tc, temperature, world)
+    tally = _Tally.new(len(batch.group_ids))
     grad_norm = 0.0
     params = [p for p in actor.parameters() if p.requires_grad]
     for epoch in range(tc.update_epochs):
         opt.zero_grad(set_to_none=True)
         for i, (mb, scale) in enumerate(plan):
-            f = forward(actor.policy, mb, temperature, entropy=True, hidden=algo.critic)
-            p = prox[i] if prox[i] is not None else f.logprobs.detach()
             adv = tok_adv[i] if algo.critic else seq_adv[plan_rows[i]].to(world.device)
-            per_tok, s = policy_loss(f.logprobs, p, mb.behavior_logprobs, adv, mb.mask, clip_eps=tc.clip_eps,
-                                     decoupled=tc.decoupled, is_level=tc.is_level, is_clip=tc.is_clip)
-            w = mb.sample_weight.unsqueeze(-1)
-            pg = aggregate_sum(per_tok * w, mb.mask, tc.loss_agg)
-            total = pg
-            if ref is not None:
-                with torch.no_grad():
-                    ref_lp = forward(ref, mb, temperature).logprobs
-                kl = aggregate_sum(KL_ESTIMATORS[tc.kl_estimator](f.logprobs, ref_lp), mb.mask, tc.loss_agg)
-                total = total + tc.kl_coef * kl
-                sums["kl_sum"] += float(kl.detach()) * scale if epoch == 0 else 0.0
-            ent = aggregate_sum(f.entropy, mb.mask, tc.loss_agg)
-            if tc.entropy_coef > 0:
-                total = total - tc.entropy_coef * ent
-            if algo.critic:
-                v = actor.critic(f.hidden) * mb.mask
-                vf = aggregate_sum(value_loss(v, targets[i]) * w, mb.mask, tc.loss_agg)
-                total = total + tc.vf_coef * vf
+            target = targets[i] if algo.critic else None
+            loss = _micro_batch_loss(actor, ref, mb, prox[i], adv, target, algo, tc, temperature)
             # / denom: the whole batch's denominator (accumulation == one big batch);
             # * world.size: FSDP averages gradients over ranks, the loss is a sum over them
-            (total / denom * scale * world.size).backward()
+            (loss.total / denom * scale * world.size).backward()
             if epoch == 0 and scale:
-                m = mb.mask > 0
-                for k in ("tokens", "clip_sum", "ratio_sum", "is_sum", "is_clipped"):
-                    sums[k] += s[k]
-                for k in _MAXES:
-                    maxes[k] = max(maxes[k], s[k])
-                sums["pg_sum"] += float(pg.detach())
-                sums["ent_sum"] += float(ent.detach())
-                sums["samples"] += float(mb.mask.shape[0])
-                if algo.critic:
-                    sums["vf_sum"] += float(vf.detach())
-                    sums["value_sum"] += float(v.detach()[m].sum())
-                    sums["target_sum"] += float(targets[i][m].sum())
-                sums["shift_sum"] += float((p - mb.behavior_logprobs).abs()[m].sum())
-                if version is not None:
-                    same = m & (mb.policy_version == version).unsqueeze(-1)
-                    sums["gap_sum"] += float((f.logprobs.detach() - mb.behavior_logprobs).abs()[same].sum())
-                    sums["gap_tokens"] += float(same.sum())
-                a_tok = (adv if adv.dim() == 2 else adv.unsqueeze(-1).expand_as(mb.mask)).abs() * mb.mask
-                gi = mb.group_index.cpu()
-                prio[0].index_add_(0, gi, a_tok.sum(-1).double().cpu())
-                prio[1].index_add_(0, gi, mb.mask.sum(-1).double().cpu())
+                _tally(tally, loss, mb, target, version)
         norm = torch.nn.utils.clip_grad_norm_(params, tc.max_grad_norm)
         grad_norm = grad_norm or float(full_tensor(norm))
         opt.step()
         if scheduler is not None:
             scheduler.step()
 
-    flat = torch.tensor([sums[k] for k in _SUMS], dtype=torch.float64, device=world.comm_device)
-    world.sum_(flat)
-    sums = dict(zip(_SUMS, flat.tolist()))
-    mx = world.max_(torch.tensor([maxes[k] for k in _MAXES], dtype=torch.float64, device=world.comm_device))
-    maxes = dict(zip(_MAXES, mx.tolist()))
-    prio = world.sum_(prio.to(world.comm_device)).cpu()
-    pad_t = world.sum_(torch.tensor([pad], dtype=torch.float64, device=world.comm_device))
-    n = max(sums["tokens"], 1.0)
+    sums, maxes, prio, pad = _reduce(tally, pad, world)
     loss_sum = sums["pg_sum"] + tc.kl_coef * sums["kl_sum"] - tc.entropy_coef * sums["ent_sum"] + tc.vf_coef * sums["vf_sum"]
-    stats = {
-        "actor/pg_loss": sums["pg_sum"] / denom, "actor/entropy": sums["ent_sum"] / denom,
-        "actor/clip_frac": sums["clip_sum"] / n, "actor/ratio_mean": sums["ratio_sum"] / n,
-        "actor/ratio_max": maxes["ratio_max"], "actor/grad_norm": grad_norm,
-        "actor/behaviour_shift": sums["shift_sum"] / n,
-        "is/weight_mean": sums["is_sum"] / n, "is/weight_max": maxes["is_max"], "is/clip_frac": sums["is_clipped"] / n,
-        "trainer/padding_ratio": float(pad_t[0]) / world.size, "trainer/micro_batches": len(plan),
-    }
-    if ref is not None:
-        stats["actor/kl"] = sums["kl_sum"] / denom
-    if algo.critic:
-        stats.update({"critic/vf_loss": sums["vf_sum"] / denom, "critic/value_mean": sums["value_sum"] / n,
-                      "critic/target_mean": sums["target_sum"] / n})
-    if sums["gap_tokens"]:
-        stats["actor/logprob_gap"] = sums["gap_sum"] / sums["gap_tokens"]
+    stats = _stats(sums, maxes, denom, grad_norm, pad, len(plan), ref is not None, algo.critic)
     priorities = (prio[0] / prio[1].clamp_min(1)).float()
     return StepResult(loss=loss_sum / denom, stats=stats, priorities=priorities)

@@ -38,6 +38,14 @@ def replay_gate_marker(epoch: int) -> str:
     return name(epoch)
 
 
+def run_attempt(context) -> int | None:
+    """The attempt of the DAG run a task belongs to: how many times it was cleared (0 at first).
+    Stop markers carry it (see `RunDir.request_stop`). None outside a task (a bare context)."""
+    dag_run = context.get("dag_run") if context else None
+    number = getattr(dag_run, "clear_number", None)
+    return int(number) if number is not None else None
+
+
 def _downsample(points: list, limit: int = MAX_POINTS) -> list:
     if len(points) <= limit:
         return points
@@ -72,9 +80,11 @@ class RunDirHook(BaseHook):
     def set_marker(self, name: str, payload: dict | None = None) -> None:
         self.run.set_marker(name, payload)
 
-    def stop_requested(self) -> bool:
+    def stop_requested(self, attempt: int | None = None) -> bool:
+        """Whether the run is stopped, for a task of `attempt` (a stale stop of an earlier attempt
+        does not count; see `RunDir.stop_marker`)."""
         self.run.fs.invalidate_cache()
-        return self.run.stop_requested()
+        return self.run.stop_requested(attempt)
 
     def replay_epoch_skipped(self, epoch: int) -> bool:
         """True when the trainer finished without replay epoch `epoch` (too few eligible groups)."""
@@ -117,9 +127,7 @@ class RunDirHook(BaseHook):
         return out
 
     def streams(self) -> list[str]:
-        from pipeline.storage import list_names
-
-        return [n[: -len(".jsonl")] for n in list_names(self.run.fs, self.run.path("metrics")) if n.endswith(".jsonl")]
+        return self.run.metric_streams()
 
     def eval_curve(self) -> dict[str, list[list[float]]]:
         """Held-out score and accuracy per evaluated policy version (eval.json of finalize)."""

@@ -5,9 +5,24 @@ group) so that everything it spawns (torchrun workers, vLLM engine processes) is
 on `on_kill` (task cleared or marked failed in the UI), on `execution_timeout`, and when the worker
 itself is interrupted. Its output is streamed line by line into the task log.
 
-Retries restart the same command; the engine resumes from the run directory. The process group
-id is kept in the task state store, so a retry that lands after a worker crash first stops the
-orphaned group of the previous try instead of running two trainers on one run.
+The environment. The process imports user code (the run's reward file, a model's remote code), so
+it does not inherit the worker's environment, which holds the deployment's secrets (metadata
+database URL, Fernet key, JWT secret, connections). `engine_environment` keeps an allow-list of
+what the engine needs: paths and locale, Python and virtualenv, thread counts, accelerators
+(CUDA_*, NVIDIA_*, ROCR_*, HIP_*), Hugging Face, torch and vLLM settings, the RLHF_* settings, and
+the storage credentials and proxies the run directory may need (AWS_*, AZURE_*,
+GOOGLE_APPLICATION_CREDENTIALS, FSSPEC_*). Everything else is dropped, and Airflow's own variables
+(AIRFLOW*, anything naming a connection, SQLAlchemy, Fernet or JWT) are dropped even when a
+deployment asks to pass more with `pass_env`. The operator's `env` is applied last: what a DAG
+author sets there explicitly reaches the process.
+
+Retries restart the same command; the engine resumes from the run directory. The process group is
+kept in the task state store, so a retry that lands after a worker crash first stops the orphaned
+group of the previous try instead of running two trainers on one run. A process id says little
+once the machine or the container restarted (the same pid and hostname come back for a stranger),
+so the record also holds the kernel's boot id and the group leader's start time, and the retry
+kills the group only when the host, the boot id and the start time of the live process with that
+pid all match. Where /proc is missing (not Linux) nothing is verifiable and nothing is killed.
 """
 
 from __future__ import annotations
@@ -18,7 +33,7 @@ import socket
 import subprocess
 import time
 from collections import deque
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 from airflow.sdk import BaseOperator
 from airflow.sdk.exceptions import AirflowException
@@ -28,6 +43,94 @@ THREAD_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALL
 # Progress bars would flood the task log; the engine logs one line every N steps instead.
 QUIET_ENV = {"TQDM_DISABLE": "1", "PYTHONUNBUFFERED": "1"}
 STATE_KEY = "supervised_process"
+
+# What the engine process may inherit from the worker: exact names, and prefixes.
+ENGINE_ENV_NAMES = frozenset({
+    "PATH", "HOME", "USER", "LOGNAME", "LANG", "LANGUAGE", "TZ", "TMPDIR", "TEMP", "TMP",
+    "LD_LIBRARY_PATH", "XDG_CACHE_HOME",
+    "PYTHONPATH", "PYTHONHOME", "PYTHONHASHSEED", "PYTHONWARNINGS", "VIRTUAL_ENV",
+    "GOOGLE_APPLICATION_CREDENTIALS", "GOOGLE_CLOUD_PROJECT",
+    # TLS and proxies on the way to object stores
+    "SSL_CERT_FILE", "SSL_CERT_DIR", "REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE",
+    "HTTP_PROXY", "HTTPS_PROXY", "NO_PROXY", "http_proxy", "https_proxy", "no_proxy",
+})
+ENGINE_ENV_PREFIXES = (
+    "LC_", "OMP_", "MKL_", "OPENBLAS_", "TOKENIZERS_",
+    "CUDA_", "NVIDIA_", "ROCR_", "HIP_",
+    "HF_", "TRANSFORMERS_", "RLHF_", "VLLM_", "TORCH", "PYTORCH_", "NCCL_", "GLOO_", "MASTER_",
+    "AWS_", "AZURE_", "FSSPEC_",
+)
+# Never passed on, whatever the allow-list or `pass_env` say: the orchestrator's secrets.
+DENIED_ENV_PREFIXES = ("AIRFLOW",)
+DENIED_ENV_PARTS = ("_CONN_", "SQL_ALCHEMY", "FERNET", "JWT")
+
+
+def _denied(name: str) -> bool:
+    upper = name.upper()
+    return upper.startswith(DENIED_ENV_PREFIXES) or any(part in upper for part in DENIED_ENV_PARTS)
+
+
+def _allowed(name: str, pass_env: Sequence[str]) -> bool:
+    if name in ENGINE_ENV_NAMES or name.startswith(ENGINE_ENV_PREFIXES):
+        return True
+    return any(name.startswith(p[:-1]) if p.endswith("*") else name == p for p in pass_env)
+
+
+def engine_environment(worker_env: Mapping[str, str], extra: Mapping[str, Any] | None = None,
+                       pass_env: Sequence[str] = ()) -> dict[str, str]:
+    """The environment of an engine subprocess, built from the worker's (see the module docstring).
+
+    `pass_env`: more names to keep (`NAME`, or `PREFIX*`), e.g. an experiment tracker's key;
+    Airflow's variables stay out regardless. `extra`: set explicitly, applied last.
+    """
+    kept = {k: v for k, v in worker_env.items() if _allowed(k, pass_env) and not _denied(k)}
+    return {**THREAD_ENV, **kept, **QUIET_ENV, **{k: str(v) for k, v in (extra or {}).items()}}
+
+
+def boot_id() -> str | None:
+    """The kernel's id of the current boot; it changes when the machine restarts."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip() or None
+    except OSError:
+        return None
+
+
+def process_start_ticks(pid: int) -> int | None:
+    """Start time of process `pid` in clock ticks since boot (field 22 of /proc/<pid>/stat)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    # Field 2 (the command name, in parentheses) may hold spaces and ')': split after the last one.
+    fields = stat.rsplit(")", 1)[-1].split()
+    try:
+        return int(fields[22 - 3])  # fields[0] is field 3 (the state)
+    except (IndexError, ValueError):
+        return None
+
+
+def process_identity(pid: int) -> dict:
+    """What tells the process `pid` apart from a later one that got the same pid."""
+    return {"host": socket.gethostname(), "boot_id": boot_id(), "start_ticks": process_start_ticks(pid)}
+
+
+def orphan_mismatch(record: Mapping[str, Any]) -> str | None:
+    """Why the live process with the recorded pgid is not the recorded group leader (None: it is)."""
+    pgid = record.get("pgid")
+    if not pgid:
+        return "no process group recorded"
+    live = process_identity(int(pgid))
+    for key in ("host", "boot_id", "start_ticks"):
+        if record.get(key) is None:
+            return f"the record has no {key}, so process {pgid} cannot be identified"
+        if live[key] is None:
+            return (f"process {pgid} is gone (its group, if any is left, cannot be identified)"
+                    if key == "start_ticks" else f"{key} of this machine is unknown")
+        if live[key] != record[key]:
+            return f"{key} differs: recorded {record[key]!r}, live process {pgid} has {live[key]!r}"
+    return None
 
 
 def stop_process_group(pgid: int, grace_s: float = 30.0) -> bool:
@@ -54,7 +157,9 @@ class SupervisedProcessOperator(BaseOperator):
     """Runs `command` (argv list) to completion, streaming its output; non-zero exit fails the task.
 
     :param command: argv of the process (templated).
-    :param env: extra environment variables (templated), on top of the worker's environment.
+    :param env: environment variables set for the process (templated), on top of what
+        `engine_environment` keeps of the worker's environment.
+    :param pass_env: more worker variables to pass on (`NAME` or `PREFIX*`); never Airflow's.
     :param cwd: working directory.
     :param kill_grace_s: seconds between SIGTERM and SIGKILL when the task is stopped.
     :param tail_lines: lines of output quoted in the failure message.
@@ -64,10 +169,12 @@ class SupervisedProcessOperator(BaseOperator):
     ui_color = "#d8e8f8"
 
     def __init__(self, *, command: Sequence[str], env: dict[str, str] | None = None, cwd: str | None = None,
-                 kill_grace_s: float = 30.0, tail_lines: int = 20, **kwargs: Any) -> None:
+                 pass_env: Sequence[str] = (), kill_grace_s: float = 30.0, tail_lines: int = 20,
+                 **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.command = command
         self.env = env
+        self.pass_env = tuple(pass_env)
         self.cwd = cwd
         self.kill_grace_s = kill_grace_s
         self.tail_lines = tail_lines
@@ -100,16 +207,21 @@ class SupervisedProcessOperator(BaseOperator):
             previous = store.get(STATE_KEY)
         except Exception:  # the store is best effort; never fail a task because of it
             return
-        if previous and previous.get("host") == socket.gethostname() and previous.get("pgid"):
-            if stop_process_group(int(previous["pgid"]), self.kill_grace_s):
-                self.log.warning("stopped process group %s left by a previous try", previous["pgid"])
+        if not previous or not previous.get("pgid"):
+            return
+        why = orphan_mismatch(previous)
+        if why is not None:
+            self.log.info("not stopping process group %s recorded by a previous try: %s", previous["pgid"], why)
+            return
+        if stop_process_group(int(previous["pgid"]), self.kill_grace_s):
+            self.log.warning("stopped process group %s left by a previous try", previous["pgid"])
 
     def _remember(self, context, pgid: int | None) -> None:
         store = self._state_store(context)
         if store is None:
             return
         try:
-            store.set(STATE_KEY, {"host": socket.gethostname(), "pgid": pgid} if pgid else None)
+            store.set(STATE_KEY, {"pgid": pgid, **process_identity(pgid)} if pgid else None)
         except Exception:
             pass
 
@@ -121,7 +233,7 @@ class SupervisedProcessOperator(BaseOperator):
         if try_number > 1:
             self._stop_orphan(context)
             self.on_retry_start(context)
-        env = {**THREAD_ENV, **os.environ, **QUIET_ENV, **{k: str(v) for k, v in (self.env or {}).items()}}
+        env = engine_environment(os.environ, self.env, self.pass_env)
         self.log.info("starting (try %s): %s", try_number, " ".join(argv))
         tail: deque[str] = deque(maxlen=self.tail_lines)
         started = time.monotonic()

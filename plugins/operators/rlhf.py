@@ -5,9 +5,14 @@ from __future__ import annotations
 import sys
 from typing import Any, Sequence
 
+from airflow.sdk.exceptions import AirflowFailException
+
+from plugins.hooks.run_dir import TRAINER_DONE_MARKER, run_attempt
 from plugins.operators.process import SupervisedProcessOperator
 
 ROLES = ("sampler", "trainer", "finalize")
+# Roles that run while the run is going and stop on the stop marker.
+LOOP_ROLES = ("sampler", "trainer")
 
 
 def engine_command(role: str, run_url: str, extra_args: Sequence[str] = ()) -> list[str]:
@@ -23,6 +28,12 @@ class RlhfProcessOperator(SupervisedProcessOperator):
     Both sampler and trainer resume from the run directory when restarted (the trainer from its
     last complete checkpoint, the sampler from the latest published policy), so a retry runs the
     same command. Give GPU-heavy roles a `pool` with one slot per device.
+
+    A failed run cleared in the UI resumes: before its process starts, a sampler or trainer task
+    removes the stop marker the teardown wrote for an earlier attempt of the DAG run (never a
+    user's stop, nor the one after the trainer finished; see `RunDir.request_stop`). A sampler that
+    stops because the trainer task ended without finishing fails without retrying, so that
+    clearing the run's failed tasks starts it again with the trainer.
     """
 
     template_fields: Sequence[str] = ("run_url", "extra_args", "env")
@@ -37,6 +48,38 @@ class RlhfProcessOperator(SupervisedProcessOperator):
 
     def build_command(self, context) -> list[str]:
         return engine_command(self.role, self.run_url, self.extra_args)
+
+    def execute(self, context) -> dict:
+        if self.role in LOOP_ROLES:
+            self._resume_after_clear(context)
+        result = super().execute(context)
+        if self.role == "sampler":
+            self._fail_if_the_trainer_did_not_finish(context)
+        return result
+
+    def _resume_after_clear(self, context) -> None:
+        from pipeline.runs import RunDir
+
+        run = RunDir(self.run_url)
+        attempt = run_attempt(context)
+        stale = run.clear_stale_stop(attempt)
+        if stale is not None:
+            self.log.warning("attempt %s of this run: removed the stop marker of attempt %s (%s); the %s resumes",
+                             attempt, stale.get("attempt"), stale.get("reason"), self.role)
+        elif (stop := run.stop_marker(attempt)) is not None:
+            self.log.warning("the run is stopped (%s, by %s): the %s will exit at once",
+                             stop.get("reason") or "no reason given", stop.get("by") or "unknown", self.role)
+
+    def _fail_if_the_trainer_did_not_finish(self, context) -> None:
+        from pipeline.runs import RunDir
+
+        run = RunDir(self.run_url)
+        stop = run.stop_marker(run_attempt(context))
+        if stop is not None and stop.get("attempt") is not None and not run.has_marker(TRAINER_DONE_MARKER):
+            raise AirflowFailException(
+                f"the sampler stopped because the {stop.get('reason') or 'run was stopped'}, and the run is not "
+                "finished; clear this DAG run's failed tasks (or the whole run) to resume it from the trainer's "
+                "last checkpoint")
 
     def on_retry_start(self, context) -> None:
         self.log.info("retry: %s resumes from the run directory %s", self.role, self.run_url)

@@ -15,7 +15,7 @@ from typing import Any
 from airflow.sdk import BaseSensorOperator, PokeReturnValue
 from airflow.sdk.exceptions import AirflowException, AirflowSkipException
 
-from plugins.hooks.run_dir import RunDirHook, phase_done_marker, replay_gate_marker
+from plugins.hooks.run_dir import RunDirHook, phase_done_marker, replay_gate_marker, run_attempt
 from plugins.triggers.run_dir import ReplayGateTrigger, RunMarkerTrigger
 
 
@@ -59,7 +59,7 @@ class PhaseCheckpointSensor(BaseSensorOperator):
         self.log.info("phase %s of %s not finished yet; deferring", self.phase, self.run_url)
         self.defer(
             trigger=RunMarkerTrigger(run_url=self.run_url, marker=phase_done_marker(int(self.phase)),
-                                     poke_interval=self.poke_interval),
+                                     poke_interval=self.poke_interval, attempt=run_attempt(context)),
             method_name="execute_complete",
             timeout=timedelta(seconds=self.timeout),
         )
@@ -124,7 +124,8 @@ class ReplayGateSensor(BaseSensorOperator):
         hook = RunDirHook(self.run_url)
         self.defer(
             trigger=ReplayGateTrigger(run_url=self.run_url, epoch=int(self.epoch),
-                                      min_groups=self._threshold(hook), poke_interval=self.poke_interval),
+                                      min_groups=self._threshold(hook), poke_interval=self.poke_interval,
+                                      attempt=run_attempt(context)),
             method_name="execute_complete",
             timeout=timedelta(seconds=self.timeout),
         )

@@ -3,7 +3,9 @@
 Both poll shared storage; every fsspec call runs in a thread (`asyncio.to_thread`) because the
 triggerer's event loop serves every deferred task of the deployment. Both give up with an error
 event when the run is stopped (the teardown writes the stop marker once the trainer task has
-finished for good), so a sensor never waits out its timeout for a trainer that is gone.
+finished for good), so a sensor never waits out its timeout for a trainer that is gone. A stop
+that ended an earlier attempt of the run (before it was cleared in the UI) does not count for the
+sensor of a later attempt: `attempt` is the DAG run's clear count the sensor ran with.
 """
 
 from __future__ import annotations
@@ -19,18 +21,20 @@ from plugins.hooks.run_dir import RunDirHook, replay_gate_marker
 class RunMarkerTrigger(BaseTrigger):
     """Fires when `markers/<marker>.json` exists in the run directory; its payload is the event's."""
 
-    def __init__(self, *, run_url: str, marker: str, poke_interval: float = 5.0, fail_on_stop: bool = True):
+    def __init__(self, *, run_url: str, marker: str, poke_interval: float = 5.0, fail_on_stop: bool = True,
+                 attempt: int | None = None):
         super().__init__()
         self.run_url = run_url
         self.marker = marker
         self.poke_interval = float(poke_interval)
         self.fail_on_stop = fail_on_stop
+        self.attempt = attempt
 
     def serialize(self) -> tuple[str, dict[str, Any]]:
         return (
             f"{type(self).__module__}.{type(self).__qualname__}",
             {"run_url": self.run_url, "marker": self.marker, "poke_interval": self.poke_interval,
-             "fail_on_stop": self.fail_on_stop},
+             "fail_on_stop": self.fail_on_stop, "attempt": self.attempt},
         )
 
     async def run(self) -> AsyncIterator[TriggerEvent]:
@@ -40,7 +44,7 @@ class RunMarkerTrigger(BaseTrigger):
             if payload is not None:
                 yield TriggerEvent({"status": "success", "marker": self.marker, "payload": payload})
                 return
-            if self.fail_on_stop and await asyncio.to_thread(hook.stop_requested):
+            if self.fail_on_stop and await asyncio.to_thread(hook.stop_requested, self.attempt):
                 # The marker may have been written just before the stop: look once more.
                 payload = await asyncio.to_thread(hook.marker, self.marker)
                 if payload is not None:
@@ -57,18 +61,20 @@ class ReplayGateTrigger(BaseTrigger):
     """Fires when the buffer holds at least `min_groups` groups eligible for replay epoch `epoch`
     (or when the gate is already open, e.g. on a retried sensor)."""
 
-    def __init__(self, *, run_url: str, epoch: int, min_groups: int, poke_interval: float = 5.0):
+    def __init__(self, *, run_url: str, epoch: int, min_groups: int, poke_interval: float = 5.0,
+                 attempt: int | None = None):
         super().__init__()
         self.run_url = run_url
         self.epoch = int(epoch)
         self.min_groups = int(min_groups)
         self.poke_interval = float(poke_interval)
+        self.attempt = attempt
 
     def serialize(self) -> tuple[str, dict[str, Any]]:
         return (
             f"{type(self).__module__}.{type(self).__qualname__}",
             {"run_url": self.run_url, "epoch": self.epoch, "min_groups": self.min_groups,
-             "poke_interval": self.poke_interval},
+             "poke_interval": self.poke_interval, "attempt": self.attempt},
         )
 
     async def run(self) -> AsyncIterator[TriggerEvent]:
@@ -90,7 +96,7 @@ class ReplayGateTrigger(BaseTrigger):
                                     "message": f"the trainer finished without replay epoch {self.epoch}: "
                                                f"{eligible} eligible groups (< {self.min_groups})"})
                 return
-            if await asyncio.to_thread(hook.stop_requested):
+            if await asyncio.to_thread(hook.stop_requested, self.attempt):
                 yield TriggerEvent({"status": "error", "epoch": self.epoch,
                                     "message": f"run {self.run_url} was stopped with {eligible} eligible "
                                                f"replay groups (< {self.min_groups}) for epoch {self.epoch}"})

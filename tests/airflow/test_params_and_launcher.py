@@ -57,9 +57,75 @@ def test_runs_root_rejects_non_storage_urls_and_relative_paths(bad):
         runs_root(bad)
 
 
-def test_runs_root_accepts_object_stores_and_absolute_paths():
+@pytest.fixture
+def storage_roots(monkeypatch):
+    """A deployment whose runs root is /data/runs and whose admin also allows s3://bucket/runs."""
+    monkeypatch.setenv("RLHF_RUNS_ROOT", "/data/runs")
+    monkeypatch.setenv("RLHF_ALLOWED_STORAGE_ROOTS", "s3://bucket/runs, file:///nfs/shared/rl")
+
+
+def test_runs_root_accepts_object_stores_and_absolute_paths_under_the_allowed_roots(storage_roots):
     assert runs_root("s3://bucket/runs/") == "s3://bucket/runs"
     assert runs_root("/data/runs") == "/data/runs"
+    assert runs_root("/data/runs/team-a") == "/data/runs/team-a"
+    assert runs_root("file:///data/runs/team-a") == "file:///data/runs/team-a"
+    assert runs_root("/nfs/shared/rl/exp") == "/nfs/shared/rl/exp"
+    assert runs_root("") == "/data/runs"
+
+
+@pytest.mark.parametrize("bad", ["/etc", "/data/runs2", "/data", "s3://other-bucket/runs", "s3://bucket/runsx",
+                                 "gs://bucket/runs", "file:///nfs/shared"])
+def test_storage_url_outside_the_allowed_roots_is_refused_naming_field_value_and_roots(storage_roots, bad):
+    with pytest.raises(ValueError) as e:
+        runs_root(bad)
+    msg = str(e.value)
+    assert msg.startswith("storage_url:") and repr(bad) in msg
+    assert "/data/runs" in msg and "s3://bucket/runs" in msg and "RLHF_ALLOWED_STORAGE_ROOTS" in msg
+
+
+@pytest.mark.parametrize("bad", ["/data/runs/../../etc", "s3://bucket/runs/%2e%2e/x", "/data/runs/a\\..\\..\\b"])
+def test_storage_url_with_a_parent_segment_is_refused_even_under_an_allowed_root(storage_roots, bad):
+    with pytest.raises(ValueError, match=r"storage_url.*'\.\.'"):
+        runs_root(bad)
+
+
+def test_a_malformed_allowed_root_names_the_variable(monkeypatch):
+    monkeypatch.setenv("RLHF_RUNS_ROOT", "/data/runs")
+    monkeypatch.setenv("RLHF_ALLOWED_STORAGE_ROOTS", "relative/runs")
+    with pytest.raises(ValueError, match="RLHF_ALLOWED_STORAGE_ROOTS"):
+        runs_root("/data/runs/x")
+
+
+@pytest.mark.parametrize("bad", ["/data/runs/../../etc", "..", "s3://b/runs/%2E%2e/x", "C:\\runs", "/data/runs\nx"])
+def test_trigger_form_rejects_parent_segments_backslashes_and_control_characters_in_storage_url(bad):
+    from airflow.sdk.exceptions import ParamValidationError
+
+    with pytest.raises(ParamValidationError):
+        run_params()["storage_url"].resolve(bad)
+    for good in ("", "s3://bucket/runs/v1..2", "/Users/me/Application Support/runs"):
+        assert run_params()["storage_url"].resolve(good) == good
+
+
+def test_prepare_run_refuses_a_storage_url_outside_the_allowed_roots_before_writing(storage_roots, tmp_path,
+                                                                                    monkeypatch):
+    import pipeline.runner
+    from plugins.taskgroups import prepare_run
+
+    monkeypatch.setattr(pipeline.runner, "prepare", lambda *a, **k: pytest.fail("prepare must not run"))
+    with pytest.raises(ValueError, match=f"storage_url: '{tmp_path}'"):
+        prepare_run("rlhf_train", form(storage_url=str(tmp_path)), {}, "exp-1")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_prepare_run_creates_the_run_under_an_allowed_storage_url(storage_roots, monkeypatch):
+    import pipeline.runner
+    from pipeline.runs import RunDir
+    from plugins.taskgroups import prepare_run
+
+    urls = []
+    monkeypatch.setattr(pipeline.runner, "prepare", lambda cfg, url: urls.append(url) or RunDir(url))
+    out = prepare_run("rlhf_train", form(storage_url="s3://bucket/runs/team-a"), {}, "exp-1")
+    assert urls == ["s3://bucket/runs/team-a/exp-1"] and out["run_id"] == "exp-1"
 
 
 def test_check_conf_keys_accepts_form_keys():

@@ -47,3 +47,26 @@ def test_registry_returns_the_latest_earlier_date_so_reruns_are_idempotent(tmp_p
     reg.record("2026-11-08", {"policy_url": "p8-rerun"})  # a rerun replaces only its own date
     assert sorted(reg.entries()) == ["2026-11-08", "2026-11-15"]
     assert reg.previous("2026-11-15") == {"policy_url": "p8-rerun"}
+
+
+def test_a_date_rerun_with_other_parameters_gets_its_own_run_directory(tmp_path, monkeypatch):
+    """A backfill reruns dates that ran; the same parameters find the same run (a retried or
+    resumed prepare), other parameters a new directory, so no finished experiment is overwritten."""
+    from pipeline.data import write_rows
+    from pipeline.tasks import make_rows
+    from plugins.dag_params import run_params
+    from plugins.retrain import prepare_retrain
+
+    monkeypatch.setenv("RLHF_RUNS_ROOT", str(tmp_path / "runs"))
+    write_rows(make_rows("sort", 8, 1, "train"), str(tmp_path / "prompts" / "ds=2026-11-15" / "a.parquet"))
+    params = {k: p.value for k, p in run_params(with_dataset=False).items()}
+    params.update(config_file="tiny-test.yaml", prompts_root=str(tmp_path / "prompts"), steps=2)
+
+    def run_dir(**form) -> str:
+        return prepare_retrain("rlhf_retrain", {**params, **form}, {}, "2026-11-15", str(tmp_path / "runs"))["run_id"]
+
+    assert run_dir() == "rlhf_retrain-2026-11-15"
+    assert run_dir() == "rlhf_retrain-2026-11-15"  # same parameters: the same run
+    assert run_dir(steps=3) == "rlhf_retrain-2026-11-15-2"
+    assert run_dir() == "rlhf_retrain-2026-11-15"
+    assert run_dir(steps=3) == "rlhf_retrain-2026-11-15-2"

@@ -34,7 +34,9 @@ def first_event(trigger, timeout=10):
 
 @pytest.mark.parametrize("trigger", [
     RunMarkerTrigger(run_url="file:///r/x", marker="phase_0.done", poke_interval=2.5, fail_on_stop=False),
+    RunMarkerTrigger(run_url="file:///r/x", marker="phase_1.done", attempt=2),
     ReplayGateTrigger(run_url="s3://b/runs/x", epoch=3, min_groups=16, poke_interval=1.0),
+    ReplayGateTrigger(run_url="s3://b/runs/x", epoch=0, min_groups=4, attempt=1),
 ])
 def test_trigger_serialize_round_trips_through_its_classpath(trigger):
     classpath, kwargs = trigger.serialize()
@@ -58,6 +60,21 @@ def test_marker_trigger_fails_when_the_run_is_stopped_without_the_marker(run):
     run.request_stop("trainer task ended without finishing")
     event = first_event(RunMarkerTrigger(run_url=run.url, marker="phase_1.done", poke_interval=0.05))
     assert event["status"] == "error" and "phase_1.done" in event["message"]
+
+
+def test_a_stop_that_ended_an_earlier_attempt_does_not_fail_the_triggers_of_a_cleared_run(run, monkeypatch):
+    run.request_stop("trainer task ended without finishing", by="stop_sampler", attempt=0)
+    writer = threading.Timer(0.3, lambda: run.set_marker("phase_1.done", {"step": 4, "checkpoint": "ck4"}))
+    writer.start()
+    event = first_event(RunMarkerTrigger(run_url=run.url, marker="phase_1.done", poke_interval=0.05, attempt=1))
+    assert event["status"] == "success" and event["payload"]["step"] == 4
+    counts = iter([1, 1, 6])
+    monkeypatch.setattr(RunDirHook, "eligible_replay_groups", lambda self: next(counts))
+    event = first_event(ReplayGateTrigger(run_url=run.url, epoch=0, min_groups=5, poke_interval=0.01, attempt=1))
+    assert event["status"] == "success" and event["eligible"] == 6
+    # for the attempt it ended, the stop still counts
+    event = first_event(RunMarkerTrigger(run_url=run.url, marker="phase_0.done", poke_interval=0.05, attempt=0))
+    assert event["status"] == "error"
 
 
 def test_marker_written_just_before_the_stop_still_counts(run):
@@ -98,6 +115,18 @@ def test_checkpoint_sensor_defers_with_the_phase_marker_trigger(run):
     assert (trigger.run_url, trigger.marker, trigger.poke_interval) == (run.url, "phase_1.done", 3.0)
     assert deferred.value.method_name == "execute_complete"
     assert deferred.value.timeout.total_seconds() == 600
+
+
+def test_sensors_hand_their_runs_attempt_to_the_trigger(run, monkeypatch):
+    class DagRun:
+        clear_number = 2
+
+    monkeypatch.setattr(RunDirHook, "eligible_replay_groups", lambda self: 0)
+    for sensor in (PhaseCheckpointSensor(task_id="wait", run_url=run.url, phase=1),
+                   ReplayGateSensor(task_id="gate", run_url=run.url, epoch=0)):
+        with pytest.raises(TaskDeferred) as deferred:
+            sensor.execute({"dag_run": DagRun()})
+        assert deferred.value.trigger.attempt == 2
 
 
 def test_checkpoint_sensor_returns_at_once_when_the_phase_is_done(run):

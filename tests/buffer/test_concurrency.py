@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 from rollout_factory import make_groups
+from spawner import Spawner
 
 from pipeline.buffer import ReplayBuffer
 
@@ -28,9 +29,9 @@ def _env():
     return dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
 
 
-def _start(*args) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, WORKER, *map(str, args)], env=_env(), cwd=ROOT,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+def _start(spawn: Spawner, *args) -> subprocess.Popen:
+    return spawn([sys.executable, WORKER, *map(str, args)], env=_env(), cwd=ROOT,
+                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
 
 
 def _finish(procs, timeout=120):
@@ -47,14 +48,14 @@ def _read_ids(state_dir: Path) -> list[str]:
     return (state_dir / "ids.txt").read_text().splitlines()
 
 
-def _writers_and_readers(url: str, tmp_path: Path, writers: int, shards: int, groups: int,
+def _writers_and_readers(spawn: Spawner, url: str, tmp_path: Path, writers: int, shards: int, groups: int,
                          reader_kills: int) -> None:
     total = writers * shards * groups
     readers = [tmp_path / f"reader{i}" for i in range(2)]
     for d in readers:
         d.mkdir()
-    wprocs = [_start("write", url, f"w{i}", shards, groups, tmp_path / f"w{i}.ack") for i in range(writers)]
-    rprocs = [_start("read", url, d, total, i) for i, d in enumerate(readers)]
+    wprocs = [_start(spawn, "write", url, f"w{i}", shards, groups, tmp_path / f"w{i}.ack") for i in range(writers)]
+    rprocs = [_start(spawn, "read", url, d, total, i) for i, d in enumerate(readers)]
     # a trainer killed and restarted, several times: reader 0 is SIGKILLed and resumed from its checkpoint
     rng = random.Random(0)
     for _ in range(reader_kills):
@@ -62,7 +63,7 @@ def _writers_and_readers(url: str, tmp_path: Path, writers: int, shards: int, gr
         if rprocs[0].poll() is None:
             rprocs[0].send_signal(signal.SIGKILL)
             rprocs[0].wait()
-            rprocs[0] = _start("read", url, readers[0], total, 100 + _)
+            rprocs[0] = _start(spawn, "read", url, readers[0], total, 100 + _)
     _finish(wprocs)
     _finish(rprocs)
     expected = {f"w{w}-{s}-g{g}" for w in range(writers) for s in range(shards) for g in range(groups)}
@@ -85,17 +86,17 @@ def _writers_and_readers(url: str, tmp_path: Path, writers: int, shards: int, gr
 
 
 @pytest.mark.integration
-def test_8_writer_processes_2_readers_local_disk(tmp_path):
+def test_8_writer_processes_2_readers_local_disk(tmp_path, spawn):
     """8 x 250 = 2,000 commits (one per shard) while two readers consume; one reader is killed
     and resumed 3 times. Zero lost, zero duplicated, same order for both readers."""
-    _writers_and_readers(str(tmp_path / "buffer"), tmp_path, writers=8, shards=250, groups=2, reader_kills=3)
+    _writers_and_readers(spawn, str(tmp_path / "buffer"), tmp_path, writers=8, shards=250, groups=2, reader_kills=3)
 
 
 @pytest.mark.integration
-def test_8_writer_processes_2_readers_s3(tmp_path, s3_url):
+def test_8_writer_processes_2_readers_s3(tmp_path, s3_url, spawn):
     """The same on S3 (conditional PUTs against moto's server, which shares this machine's cores
     with the ten client processes): 8 x 125 = 1,000 commits, one reader killed and resumed 3 times."""
-    _writers_and_readers(s3_url, tmp_path, writers=8, shards=125, groups=2, reader_kills=3)
+    _writers_and_readers(spawn, s3_url, tmp_path, writers=8, shards=125, groups=2, reader_kills=3)
 
 
 def test_8_writer_threads_2_readers_memory(tmp_path):
@@ -128,11 +129,11 @@ def test_8_writer_threads_2_readers_memory(tmp_path):
     assert seen[0] == seen[1]
 
 
-def _kill_writers_repeatedly(url: str, tmp_path: Path, kills: int, window_s: float) -> None:
+def _kill_writers_repeatedly(spawn: Spawner, url: str, tmp_path: Path, kills: int, window_s: float) -> None:
     rng = random.Random(1)
     ack = tmp_path / "acks.txt"
     for k in range(kills):
-        p = _start("write", url, f"k{k}", 10_000, 3, ack)
+        p = _start(spawn, "write", url, f"k{k}", 10_000, 3, ack)
         deadline = time.time() + 60
         while f"attempt k{k}-0" not in (ack.read_text() if ack.exists() else "") and time.time() < deadline:
             time.sleep(0.02)  # the process is up and writing
@@ -160,10 +161,10 @@ def _kill_writers_repeatedly(url: str, tmp_path: Path, kills: int, window_s: flo
 
 
 @pytest.mark.integration
-def test_writers_killed_at_random_points_leave_nothing_partial_local(tmp_path):
-    _kill_writers_repeatedly(str(tmp_path / "buffer"), tmp_path, kills=12, window_s=0.5)
+def test_writers_killed_at_random_points_leave_nothing_partial_local(tmp_path, spawn):
+    _kill_writers_repeatedly(spawn, str(tmp_path / "buffer"), tmp_path, kills=12, window_s=0.5)
 
 
 @pytest.mark.integration
-def test_writers_killed_at_random_points_leave_nothing_partial_s3(tmp_path, s3_url):
-    _kill_writers_repeatedly(s3_url, tmp_path, kills=6, window_s=1.5)
+def test_writers_killed_at_random_points_leave_nothing_partial_s3(tmp_path, s3_url, spawn):
+    _kill_writers_repeatedly(spawn, s3_url, tmp_path, kills=6, window_s=1.5)

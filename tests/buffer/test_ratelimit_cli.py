@@ -113,3 +113,39 @@ def test_rlhf_console_runs_buffer_commands(tmp_path):
     out = subprocess.run([sys.executable, "-m", "pipeline", "buffer", "verify", url], cwd=root, env=env,
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 1 and shard in out.stderr
+
+
+@pytest.mark.parametrize("cmd", ["stats", "verify", "compact", "gc"])
+def test_buffer_commands_on_a_path_without_a_buffer_fail_naming_the_path(tmp_path, cmd):
+    from pipeline.config import ConfigError
+
+    missing = tmp_path / "nonexistent"
+    unrelated = tmp_path / "unrelated"
+    unrelated.mkdir()
+    (unrelated / "notes.txt").write_text("not a buffer")
+    for url in (str(missing), f"file://{missing}", str(unrelated)):
+        with pytest.raises(ConfigError) as e:
+            rlhf(["buffer", cmd, url])
+        assert url.removeprefix("file://") in str(e.value) and "no buffer" in str(e.value)
+    assert not missing.exists()  # compact and gc wrote nothing there either
+    assert sorted(p.name for p in unrelated.iterdir()) == ["notes.txt"]
+
+
+def test_buffer_of_a_run_directory_before_the_first_commit_is_empty_not_an_error(tmp_path, capsys):
+    from pipeline.config import parse_config
+    from pipeline.runs import RunDir
+
+    RunDir(str(tmp_path / "run-1")).create(parse_config({}))
+    assert rlhf(["buffer", "stats", str(tmp_path / "run-1")]) == 0
+    assert json.loads(capsys.readouterr().out)["version"] == 0
+
+
+@pytest.mark.integration
+def test_rlhf_console_buffer_verify_of_a_missing_path_exits_non_zero_with_one_line(tmp_path):
+    url = f"file://{tmp_path}/nonexistent"
+    root = str(Path(__file__).resolve().parents[2])
+    out = subprocess.run([sys.executable, "-m", "pipeline", "buffer", "verify", url], cwd=root,
+                         env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0 and out.stdout == ""
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and f"{tmp_path}/nonexistent" in lines[0]

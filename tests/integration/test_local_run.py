@@ -2,9 +2,12 @@
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 
+import psutil
 import pytest
 
 from pipeline.buffer import ReplayBuffer
@@ -14,15 +17,15 @@ from pipeline.runs import RunDir
 pytestmark = pytest.mark.integration
 
 
-def _rlhf(*args, timeout=300):
+def _rlhf(spawn, *args, timeout=300):
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    return subprocess.run([sys.executable, "-m", "pipeline", *args], capture_output=True, text=True,
-                          timeout=timeout, env=env)
+    return spawn.run([sys.executable, "-m", "pipeline", *args], capture_output=True, text=True, timeout=timeout,
+                     env=env)
 
 
-def test_two_processes_exchange_rollouts_and_policies(tmp_path):
+def test_two_processes_exchange_rollouts_and_policies(tmp_path, spawn):
     run_dir = tmp_path / "runs" / "it-local"
-    p = _rlhf("run", "configs/tiny-test.yaml", "--run-dir", f"file://{run_dir}", "--no-progress",
+    p = _rlhf(spawn, "run", "configs/tiny-test.yaml", "--run-dir", f"file://{run_dir}", "--no-progress",
               "--set", "trainer.steps=8")
     assert p.returncode == 0, p.stderr[-3000:]
     summary = json.loads((run_dir / "summary.json").read_text())
@@ -67,15 +70,15 @@ def test_two_processes_exchange_rollouts_and_policies(tmp_path):
     (["--set", "run_id=../../etc"], "run_id"),
     (["--set", "data.train=/nonexistent/train.parquet"], "data.train"),
 ])
-def test_bad_input_fails_fast_with_one_line(tmp_path, args, needle):
-    p = _rlhf("prepare", "configs/tiny-test.yaml", "--runs-root", str(tmp_path), *args, timeout=120)
+def test_bad_input_fails_fast_with_one_line(tmp_path, spawn, args, needle):
+    p = _rlhf(spawn, "prepare", "configs/tiny-test.yaml", "--runs-root", str(tmp_path), *args, timeout=120)
     assert p.returncode == 2
     lines = [line for line in p.stderr.strip().splitlines() if line]
     assert len(lines) == 1 and needle in lines[0], p.stderr
     assert list(tmp_path.iterdir()) == []  # nothing created
 
 
-def test_dataset_missing_column_fails_before_model_load(tmp_path):
+def test_dataset_missing_column_fails_before_model_load(tmp_path, spawn):
     from pipeline.data import write_rows
     from pipeline.tasks import make_rows
 
@@ -84,43 +87,67 @@ def test_dataset_missing_column_fails_before_model_load(tmp_path):
         del r["data_source"]
     bad = tmp_path / "bad.parquet"
     write_rows(rows, str(bad))
-    p = _rlhf("prepare", "configs/tiny-test.yaml", "--runs-root", str(tmp_path / "runs"),
+    p = _rlhf(spawn, "prepare", "configs/tiny-test.yaml", "--runs-root", str(tmp_path / "runs"),
               "--set", f"data.train={bad}", timeout=120)
     assert p.returncode == 2 and "lacks column 'data_source'" in p.stderr
     assert not (tmp_path / "runs").exists()
 
 
-def test_ctrl_c_stops_both_processes_cleanly(tmp_path):
-    import signal
-    import time
-
-    import psutil
-
-    run_dir = tmp_path / "runs" / "it-interrupt"
+def _start_long_run(spawn, run_dir, ignore=()):
+    """`rlhf run` of 100k steps, returned once the trainer has taken a step: (runner, run, children)."""
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    proc = subprocess.Popen([sys.executable, "-m", "pipeline", "run", "configs/tiny-test.yaml", "--run-dir",
-                             str(run_dir), "--no-progress", "--set", "trainer.steps=100000"],
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = spawn([sys.executable, "-m", "pipeline", "run", "configs/tiny-test.yaml", "--run-dir", str(run_dir),
+                  "--no-progress", "--set", "trainer.steps=100000"],
+                 env=env, ignore=ignore, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     run = None
     deadline = time.time() + 120
-    while time.time() < deadline:  # wait until the trainer has taken steps
+    while time.time() < deadline and proc.poll() is None:  # wait until the trainer has taken steps
         if (run_dir / "metrics" / "trainer.jsonl").exists():
             run = RunDir(str(run_dir))
             if any("step" in r for r in run.read_metrics("trainer")):
                 break
         time.sleep(0.5)
-    assert run is not None, "trainer never started"
+    assert run is not None and proc.poll() is None, "trainer never started"
     children = psutil.Process(proc.pid).children(recursive=True)
     assert len(children) >= 2
-    proc.send_signal(signal.SIGINT)
-    _, err = proc.communicate(timeout=60)
-    assert proc.returncode == 130, err[-2000:]
-    assert run.stop_requested()
+    return proc, run, children
+
+
+def _assert_stopped_cleanly(proc, run, children, sig):
+    """Runner, sampler and trainer are gone within seconds, through the stop marker, with every
+    batch the sampler logged committed to the buffer."""
+    _, err = proc.communicate(timeout=20)
+    assert proc.returncode == 128 + sig, err[-2000:]
+    assert err.count("stopped by ") == 1, err[-2000:]  # the runner; its children did not need SIGTERM
+    assert run.marker("stop")["reason"] == f"interrupted by {signal.Signals(sig).name}"
     gone, alive = psutil.wait_procs(children, timeout=5)
     assert not alive
-    # the sampler flushed what it generated: every logged batch is committed in the buffer
-    from pipeline.buffer import ReplayBuffer
-
     logged = sum(r["sampler/samples"] for r in run.read_metrics("sampler-0") if "sampler/samples" in r)
     committed, _ = ReplayBuffer(run.buffer_url).read_fresh(None, 1_000_000)
     assert committed.num_rows == logged
+
+
+def _ignored_signals(pid: int) -> set[int]:
+    """The signals a process ignores, from /proc/<pid>/status (Linux)."""
+    with open(f"/proc/{pid}/status") as f:
+        mask = int(next(line for line in f if line.startswith("SigIgn:")).split()[1], 16)
+    return {s for s in range(1, 65) if mask >> (s - 1) & 1}
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP], ids=lambda s: s.name)
+def test_stop_signal_stops_runner_sampler_and_trainer_with_shards_committed(tmp_path, spawn, sig):
+    proc, run, children = _start_long_run(spawn, tmp_path / "runs" / "it-stop")
+    proc.send_signal(sig)
+    _assert_stopped_cleanly(proc, run, children, sig)
+
+
+def test_run_started_with_sigint_ignored_keeps_ignoring_it_and_stops_on_sigterm(tmp_path, spawn):
+    """`cmd &` in a script starts `rlhf run` with SIGINT ignored: it honours that (SIGTERM stops
+    it), and gives the sampler and trainer explicit dispositions instead of the inherited ignore."""
+    proc, run, children = _start_long_run(spawn, tmp_path / "runs" / "it-nohup", ignore=(signal.SIGINT,))
+    assert signal.SIGINT in _ignored_signals(proc.pid)
+    for child in children:
+        assert not _ignored_signals(child.pid) & {signal.SIGINT, signal.SIGTERM, signal.SIGHUP}, child.cmdline()
+    proc.send_signal(signal.SIGINT)  # reaches it first, and must change nothing
+    proc.send_signal(signal.SIGTERM)
+    _assert_stopped_cleanly(proc, run, children, signal.SIGTERM)

@@ -2,13 +2,13 @@
 loads reshard's dcp outputs at another world size."""
 
 import os
-import subprocess
 import sys
 
 import pytest
 import torch
 from reshard_loaders import load_hf, logits
 from safetensors.torch import load_file
+from spawner import Spawner
 from torch.distributed.checkpoint.metadata import MetadataIndex
 
 from pipeline.reshard import reshard
@@ -22,7 +22,7 @@ WORKER = os.path.join(os.path.dirname(__file__), "fsdp_worker.py")
 def _torchrun(*args, timeout=120):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.getcwd()}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", WORKER, *args]
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    done = Spawner().run(cmd, env=env, capture_output=True, text=True, timeout=timeout)  # workers killed if it fails
     assert done.returncode == 0, done.stderr[-3000:]
 
 

@@ -37,7 +37,7 @@ def _wait(cond, timeout: float, what: str, proc=None):
 
 
 @pytest.mark.integration
-def test_trainer_waits_for_the_replay_gate_then_replays_and_phases_reach_the_sampler(tmp_path):
+def test_trainer_waits_for_the_replay_gate_then_replays_and_phases_reach_the_sampler(tmp_path, spawn):
     import test_resume as tr
 
     tr_config = {**tr.CONFIG, "trainer": {**tr.CONFIG["trainer"], "steps": 4, "phases": 2, "replay_epochs": 1,
@@ -46,24 +46,19 @@ def test_trainer_waits_for_the_replay_gate_then_replays_and_phases_reach_the_sam
     url = tr.make_run(tmp_path / "run", tr_config)
     run = RunDir(url)
     env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
-    proc = subprocess.Popen([sys.executable, "-m", "pipeline", "trainer", "--run-dir", url], env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    try:
-        # replay epoch 0 is due after fresh step 4 (the last); its gate is closed: the trainer must wait
-        fresh = lambda: [r for r in run.read_metrics("trainer") if r.get("replay/is_replay") == 0]  # noqa: E731
-        _wait(lambda: len(fresh()) == 4, 120, "4 fresh steps", proc)
-        assert run.has_marker("phase_0.done") and not run.has_marker("phase_1.done")
-        assert PolicyStore(run).exists(1) and not PolicyStore(run).exists(2)  # in-phase publish, not the boundary
-        time.sleep(2.0)
-        assert proc.poll() is None and not any(r.get("replay/is_replay") for r in run.read_metrics("trainer"))
-        did = advance(run)  # the local runner's orchestration: reshard phase 0, open the gate
-        assert any("published policy v2" in d for d in did) and any("replay gate 0" in d for d in did)
-        _wait(lambda: run.has_marker("trainer_done"), 120, "the end of training", proc)
-        assert proc.wait(timeout=60) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+    proc = spawn([sys.executable, "-m", "pipeline", "trainer", "--run-dir", url], env=env,
+                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    # replay epoch 0 is due after fresh step 4 (the last); its gate is closed: the trainer must wait
+    fresh = lambda: [r for r in run.read_metrics("trainer") if r.get("replay/is_replay") == 0]  # noqa: E731
+    _wait(lambda: len(fresh()) == 4, 120, "4 fresh steps", proc)
+    assert run.has_marker("phase_0.done") and not run.has_marker("phase_1.done")
+    assert PolicyStore(run).exists(1) and not PolicyStore(run).exists(2)  # in-phase publish, not the boundary
+    time.sleep(2.0)
+    assert proc.poll() is None and not any(r.get("replay/is_replay") for r in run.read_metrics("trainer"))
+    did = advance(run)  # the local runner's orchestration: reshard phase 0, open the gate
+    assert any("published policy v2" in d for d in did) and any("replay gate 0" in d for d in did)
+    _wait(lambda: run.has_marker("trainer_done"), 120, "the end of training", proc)
+    assert proc.wait(timeout=60) == 0
     replays = [r for r in run.read_metrics("trainer") if r.get("replay/is_replay") == 1]
     assert replays and all(0 < r["replay/weight_mean"] <= 1 for r in replays)
     from pipeline.buffer import ReplayBuffer
@@ -134,3 +129,19 @@ def test_incomplete_checkpoints_are_invisible_and_retention_keeps_phase_checkpoi
     prune(run, keep=2)
     assert [c.step for c in list_checkpoints(run)] == [2, 6, 8]
     assert os.path.isdir(checkpoint_dir(run, 10))  # newer than every complete one: may still be in progress
+
+
+def test_trainer_keeps_the_newest_policy_versions_plus_v0_and_phase_versions(tmp_path):
+    import test_resume as tr
+
+    config = {**tr.CONFIG, "trainer": {**tr.CONFIG["trainer"], "steps": 6, "phases": 2, "sync_every": 1,
+                                       "checkpoint_every": 0, "keep_policy_versions": 2}}
+    url = tr.make_run(tmp_path / "run", config)
+    tr.trainer(url)
+    run = RunDir(url)
+    store = PolicyStore(run)
+    assert store.versions() == [0, 4, 5]  # in-phase v1, v2 deleted once two newer ones were committed
+    advance(run)  # the phase boundaries reach the sampler afterwards: kept, and never counted against K
+    assert store.versions() == [0, 3, 4, 5, 6]
+    assert sorted(n for n in os.listdir(run.path("policy")) if n.startswith("v")) == \
+        [f"v{v:06d}" for v in (0, 3, 4, 5, 6)]

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
 import sys
 
 import pytest
 import torch
+from spawner import Spawner
 from trainer_rollouts import synthetic_shard
 
 from pipeline.buffer import ReplayBuffer
@@ -57,8 +57,9 @@ def trainer(run_url: str, nproc: int = 1, kill_after: int | None = None) -> int:
         env[FAULT_ENV] = str(kill_after)
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"] \
         if nproc > 1 else [sys.executable]
-    proc = subprocess.run([*launcher, "-m", "pipeline", "trainer", "--run-dir", run_url], env=env,
-                          capture_output=True, text=True, timeout=300)
+    # torchrun's workers, too, are killed if it fails or times out
+    proc = Spawner().run([*launcher, "-m", "pipeline", "trainer", "--run-dir", run_url], env=env,
+                         capture_output=True, text=True, timeout=300)
     if kill_after is None and proc.returncode != 0:
         raise AssertionError(f"trainer failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
     return proc.returncode

@@ -1,0 +1,158 @@
+"""Metrics streams: the JSONL records of one process (`trainer`, `sampler-0`, ...) in `metrics/`.
+
+A stream is made of these objects, read in this order:
+
+    metrics/<stream>.jsonl               the start of the stream (on local disk, all of it)
+    metrics/<stream>/base-<seq>.jsonl    a rewrite: every record before it; replaces the file above
+                                         and every object of a lower <seq>
+    metrics/<stream>/part-<seq>.jsonl    the records of one flush, created once, never rewritten
+
+Reading: the newest base (or, when there is none, `<stream>.jsonl`), then the parts numbered after
+it, by <seq> (8 digits). Writing: on local disk a record is appended to `<stream>.jsonl` at once;
+object stores cannot append, so the writer batches records and puts each batch as a new part (a
+stream that already has parts, e.g. a run directory copied off an object store, goes on with parts
+everywhere). Every `compact_every` parts the writer folds the stream into a new base and deletes
+what it replaces, so a reader gets at most that many objects plus one; that is the only rewrite of
+the whole stream, besides `replace` (a resumed trainer dropping the steps it redoes).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+
+from .runs import MARKER_NAME_CHARS
+from .storage import delete, is_local, list_names, put_atomic, put_if_absent, read_bytes
+
+OBJECT_RE = re.compile(r"^(base|part)-(\d{8})\.jsonl$")
+READ_ATTEMPTS = 3
+
+
+def _check_name(stream: str) -> str:
+    if not stream or not set(stream) <= MARKER_NAME_CHARS or stream.endswith(".jsonl"):
+        raise ValueError(f"metrics stream {stream!r}: use lowercase letters, digits, '_', '.', '-'")
+    return stream
+
+
+def _objects(run, stream: str) -> list[tuple[str, int]]:
+    """(kind, seq) of the objects in the stream's folder, by seq."""
+    found = [OBJECT_RE.match(n) for n in list_names(run.fs, run.path("metrics", stream))]
+    return sorted(((m.group(1), int(m.group(2))) for m in found if m), key=lambda o: o[1])
+
+
+def _live(objects: list[tuple[str, int]]) -> list[tuple[str, int]]:
+    """The objects a reader reads: from the newest base on (all of them when there is none)."""
+    bases = [i for i, (kind, _) in enumerate(objects) if kind == "base"]
+    return objects[bases[-1]:] if bases else objects
+
+
+def _parse(raw: bytes, out: list[dict]) -> None:
+    for line in raw.decode().splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            break  # a line being appended right now (local disk)
+
+
+def stream_names(run) -> list[str]:
+    """The streams of a run: a `<stream>.jsonl` file, a `<stream>/` folder of parts, or both."""
+    names = set()
+    for n in list_names(run.fs, run.path("metrics")):
+        stem = n[: -len(".jsonl")] if n.endswith(".jsonl") else n
+        if stem and set(stem) <= MARKER_NAME_CHARS:
+            names.add(stem)
+    return sorted(names)
+
+
+def read_stream(run, stream: str) -> list[dict]:
+    """Every record of the stream, in the order logged ([] when it does not exist)."""
+    for attempt in range(READ_ATTEMPTS):
+        try:
+            return _read(run, stream)
+        except FileNotFoundError:  # a compaction deleted an object after the listing: list again
+            if attempt + 1 == READ_ATTEMPTS:
+                raise
+    return []
+
+
+def _read(run, stream: str) -> list[dict]:
+    live = _live(_objects(run, stream))
+    out: list[dict] = []
+    if not live or live[0][0] != "base":
+        try:
+            _parse(read_bytes(run.fs, run.path(f"metrics/{stream}.jsonl")), out)
+        except FileNotFoundError:
+            pass  # a stream written in parts only
+    paths = [run.path("metrics", stream, f"{kind}-{seq:08d}.jsonl") for kind, seq in live]
+    blobs = run.fs.cat(paths, on_error="raise") if paths else {}
+    for path in paths:
+        _parse(blobs[path] if path in blobs else blobs[run.fs._strip_protocol(path)], out)
+    return out
+
+
+class MetricsLog:
+    """The writer of one stream (one process per stream). Local disk: appended and flushed per
+    record. Object stores: a new part every `flush_every` records or `flush_s` seconds, whichever
+    comes first (checked when a record is logged; `flush` writes what is pending), and a base
+    every `compact_every` parts."""
+
+    def __init__(self, run, stream: str, flush_every: int = 100, flush_s: float = 5.0, compact_every: int = 50):
+        self.run, self.fs, self.stream = run, run.fs, _check_name(stream)
+        self.file = run.path(f"metrics/{stream}.jsonl")
+        self.flush_every, self.flush_s, self.compact_every = flush_every, flush_s, compact_every
+        objects = _objects(run, stream)
+        self._parts = not is_local(self.fs) or bool(objects)
+        self._seq = objects[-1][1] + 1 if objects else 0
+        self._since_base = len([o for o in _live(objects) if o[0] == "part"])
+        self._pending: list[str] = []
+        self._flushed_at = time.monotonic()
+        if not self._parts:
+            self.fs.makedirs(run.path("metrics"), exist_ok=True)
+
+    def log(self, record: dict) -> None:
+        line = json.dumps({"time": time.time(), **record})
+        if not self._parts:
+            with open(self.file, "a") as f:
+                f.write(line + "\n")
+            return
+        self._pending.append(line)
+        if len(self._pending) >= self.flush_every or time.monotonic() - self._flushed_at >= self.flush_s:
+            self.flush()
+
+    def flush(self) -> None:
+        """Write the pending records as one new part (object stores; nothing to do on local disk)."""
+        self._flushed_at = time.monotonic()
+        if not self._pending:
+            return
+        self._create("part", ("\n".join(self._pending) + "\n").encode())
+        self._pending = []
+        self._since_base += 1
+        if self._since_base >= self.compact_every:
+            self._rebase([json.dumps(r) for r in read_stream(self.run, self.stream)])
+
+    def replace(self, records: list[dict]) -> None:
+        """Make `records` the whole stream (a resumed trainer drops the records of the steps it redoes)."""
+        lines = [json.dumps(r) for r in records]
+        self._pending = []
+        if not self._parts:
+            put_atomic(self.fs, self.file, "".join(x + "\n" for x in lines).encode())
+        else:
+            self._rebase(lines)
+
+    def _create(self, kind: str, data: bytes) -> int:
+        while not put_if_absent(self.fs, self.run.path("metrics", self.stream, f"{kind}-{self._seq:08d}.jsonl"),
+                                data, fsync=False):
+            self._seq += 1  # taken (a writer that did not list it yet): the next number
+        self._seq += 1
+        return self._seq - 1
+
+    def _rebase(self, lines: list[str]) -> None:
+        """Publish `lines` as a base, then delete the objects it replaces (readers that listed them
+        before the base appeared list again when one is gone)."""
+        seq = self._create("base", "".join(x + "\n" for x in lines).encode())
+        self._since_base = 0
+        for kind, old in _objects(self.run, self.stream):
+            if old < seq:
+                delete(self.fs, self.run.path("metrics", self.stream, f"{kind}-{old:08d}.jsonl"))
+        delete(self.fs, self.file)

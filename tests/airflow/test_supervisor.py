@@ -1,0 +1,75 @@
+"""The embedded deployment's supervisor, on stand-in components (`sleep`), without Airflow."""
+
+import os
+import signal
+import socket
+import time
+
+import pytest
+
+from pipeline.airflow_local import LocalAirflow, group_alive
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _until(cond, timeout_s: float = 15.0, what: str = ""):
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.1)
+
+
+@pytest.fixture
+def deployment(tmp_path):
+    af = LocalAirflow(home=tmp_path / "home", port=_free_port())
+    af.start_supervisor({"scheduler": ["sleep", "300"], "triggerer": ["sleep", "300"]})
+    try:
+        yield af
+    finally:
+        state = af.state()
+        af.down(grace_s=5)
+        for pid in [state.get("pid"), *(c.get("pid") for c in state.get("components", {}).values())]:
+            if pid and group_alive(int(pid)):
+                os.killpg(int(pid), signal.SIGKILL)
+
+
+def test_a_component_that_dies_is_restarted_and_status_counts_it(deployment):
+    af = deployment
+    first = af.pids()["scheduler"]
+    os.killpg(first, signal.SIGKILL)
+    _until(lambda: af.state()["components"]["scheduler"]["restarts"] == 1 and af.running().get("scheduler"),
+           what="the scheduler to come back")
+    scheduler = af.status()["components"]["scheduler"]
+    assert scheduler["alive"] and scheduler["pid"] != first and scheduler["last_exit"] == -signal.SIGKILL
+    assert af.status()["healthy"]
+
+
+def test_a_held_component_stays_stopped_until_released(deployment):
+    af = deployment
+    af._stop("triggerer")
+    time.sleep(1.5)  # longer than the first restart delay
+    assert af.running()["triggerer"] is False and af.status()["healthy"] is False
+    af._start("triggerer")
+    assert af.running()["triggerer"] and af.state()["components"]["triggerer"]["restarts"] == 0
+
+
+def test_status_shows_a_dead_component_when_the_supervisor_is_gone(deployment):
+    af = deployment
+    os.killpg(af.state()["pid"], signal.SIGKILL)
+    os.killpg(af.pids()["triggerer"], signal.SIGKILL)
+    _until(lambda: not af.running()["triggerer"], what="the triggerer to be gone")
+    report = af.status()
+    assert report["healthy"] is False and report["supervisor"]["alive"] is False
+    assert report["components"]["triggerer"]["alive"] is False and report["components"]["scheduler"]["alive"]
+
+
+def test_down_stops_the_supervisor_and_every_component(deployment):
+    af = deployment
+    groups = [af.state()["pid"], *af.pids().values()]
+    assert sorted(af.down(grace_s=5)) == ["scheduler", "triggerer"]
+    assert not any(group_alive(g) for g in groups)
+    assert af.status()["healthy"] is False

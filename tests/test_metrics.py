@@ -1,0 +1,96 @@
+"""Metrics streams: appends on object stores write small new parts, never the whole stream per record."""
+
+import json
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+from fsspec.implementations.memory import MemoryFileSystem
+
+from pipeline.metrics import MetricsLog
+from pipeline.runs import RunDir
+
+
+@pytest.fixture
+def puts(monkeypatch):
+    """Bytes of every object written to memory://, in order."""
+    out: list[bytes] = []
+    real = MemoryFileSystem.pipe_file
+
+    def recording(self, path, value, **kw):
+        out.append(value)
+        return real(self, path, value, **kw)
+
+    monkeypatch.setattr(MemoryFileSystem, "pipe_file", recording)
+    return out
+
+
+def _memory_run() -> RunDir:
+    return RunDir(f"memory://metrics-test-{uuid.uuid4().hex}/run-1")
+
+
+def test_records_on_an_object_store_go_to_new_parts_not_a_rewrite_per_record(puts):
+    run = _memory_run()
+    log = MetricsLog(run, "trainer", flush_every=10, flush_s=1e9, compact_every=1000)
+    for step in range(1, 201):
+        log.log({"step": step, "reward/mean": 0.5})
+    log.flush()
+    stream = sum(len(b) for b in puts)
+    assert len(puts) == 20  # one object per flush of 10 records
+    assert max(len(b) for b in puts) < stream / 10  # each holds one batch, not the stream so far
+    assert [r["step"] for r in run.read_metrics("trainer")] == list(range(1, 201))
+    assert run.metric_streams() == ["trainer"]
+
+
+def test_compaction_bounds_the_objects_a_reader_gets_and_rewrites_rarely(puts):
+    run = _memory_run()
+    log = MetricsLog(run, "sampler-0", flush_every=1, flush_s=1e9, compact_every=25)
+    for i in range(100):
+        log.log({"sampler/batch": i})
+    final = len(json.dumps(run.read_metrics("sampler-0")))
+    assert sum(len(b) for b in puts) < 5 * final  # a rewrite per 25 records: 3.5x the stream, not 50x
+    assert len(run.fs.ls(run.path("metrics", "sampler-0"))) <= 25
+    assert [r["sampler/batch"] for r in run.read_metrics("sampler-0")] == list(range(100))
+
+
+def test_old_single_file_streams_and_new_parts_read_in_order_and_replace_drops_records():
+    run = _memory_run()
+    run.fs.pipe_file(run.path("metrics", "trainer.jsonl"), b'{"step": 1}\n{"step": 2}\n')  # written before parts
+    log = MetricsLog(run, "trainer", flush_every=1, flush_s=1e9)
+    log.log({"step": 3})
+    resumed = MetricsLog(run, "trainer", flush_every=1, flush_s=1e9)  # a restarted process numbers on
+    resumed.log({"step": 4})
+    assert [r["step"] for r in run.read_metrics("trainer")] == [1, 2, 3, 4]
+    resumed.replace([r for r in run.read_metrics("trainer") if r["step"] <= 2])  # a resumed trainer's rollback
+    resumed.log({"step": 3})
+    resumed.flush()
+    assert [r["step"] for r in run.read_metrics("trainer")] == [1, 2, 3]
+    assert not run.fs.exists(run.path("metrics", "trainer.jsonl"))  # folded into the base
+
+
+def test_local_streams_append_to_one_file_readable_at_once(tmp_path):
+    run = RunDir(str(tmp_path / "run-1"))
+    log = run.metrics("trainer")
+    log.log({"step": 1})
+    assert [r["step"] for r in run.read_metrics("trainer")] == [1]  # no flush needed on local disk
+    log.replace([])
+    log.log({"step": 2})
+    assert (tmp_path / "run-1" / "metrics" / "trainer.jsonl").read_text().count("\n") == 1
+    assert run.metric_streams() == ["trainer"]
+
+
+@pytest.mark.integration
+def test_parts_on_a_real_s3_endpoint():
+    sys.path.insert(0, str(Path(__file__).parent / "buffer"))
+    from s3_endpoint import moto_s3, new_prefix
+
+    with moto_s3("metrics-test") as bucket:
+        run = RunDir(f"{new_prefix(bucket)}/run-1")
+        log = run.metrics("trainer")
+        for step in range(1, 51):
+            log.log({"step": step})
+        log.flush()
+        assert [r["step"] for r in run.read_metrics("trainer")] == list(range(1, 51))
+        assert len(run.fs.ls(run.path("metrics", "trainer"))) == 1  # 50 records, one flush: one part
+        assert run.metric_streams() == ["trainer"]
