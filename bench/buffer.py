@@ -43,6 +43,7 @@ import pyarrow as pa  # noqa: E402
 import pyarrow.parquet as pq  # noqa: E402
 
 from pipeline.buffer import ReplayBuffer  # noqa: E402
+from pipeline.buffer.actions import AddShard, MarkConsumed, RemoveShard  # noqa: E402
 from pipeline.buffer.log import CommitLog  # noqa: E402
 from pipeline.buffer.schema import ROLLOUT_SCHEMA  # noqa: E402
 from pipeline.config import BufferConfig  # noqa: E402
@@ -199,20 +200,17 @@ def build_log(url: str, commits: int) -> None:
     for i in range(commits):
         k, pv = i % 50, i // 1000
         if k < 48:
-            log.commit([{"op": "add", "path": f"l1/bench-{i}.parquet", "tier": "l1", "rows": 128,
-                         "bytes": 60000, "gsizes": [8] * 16, "pv": [pv, pv], "t": time.time()}])
+            log.commit([AddShard(f"l1/bench-{i}.parquet", "l1", 128, 60000, (8,) * 16, (pv, pv), time.time())])
         elif k == 48:
             st = log.state
-            log.commit([{"op": "consumed", "consumer": "trainer", "cursor": {"seq": st.next_seq, "group": 0},
-                         "groups": st.l1_groups_added}])
+            log.commit([MarkConsumed("trainer", st.next_seq, 0, st.l1_groups_added)])
         else:
             st = log.state
-            acts = [{"op": "remove", "path": st.l1_by_seq[s]} for s in st.l1_seqs]
+            acts = [RemoveShard(st.l1_by_seq[s]) for s in st.l1_seqs]
             if pv in l3:
-                acts.append({"op": "remove", "path": l3[pv]})
+                acts.append(RemoveShard(l3[pv]))
             l3[pv] = f"l3/run=bench/policy={pv}/part-{i}.parquet"
-            acts.append({"op": "add", "path": l3[pv], "tier": "l3", "rows": 128 * 48, "bytes": 2_000_000,
-                         "ngroups": 16 * 48, "pv": [pv, pv], "t": time.time()})
+            acts.append(AddShard(l3[pv], "l3", 128 * 48, 2_000_000, (8,) * (16 * 48), (pv, pv), time.time()))
             log.commit(acts)
 
 

@@ -70,15 +70,16 @@ def build_checkpoint(dst: str, dtype_name: str, layers: int) -> tuple[int, int]:
     from transformers import Qwen2Config
 
     from pipeline.reshard.arch import Architecture
+    from pipeline.reshard.checkpoint import checkpoint_meta, encode_meta
     from pipeline.reshard.dcp_io import DCPWriter
-    from pipeline.reshard.layout import TensorSpec, ordered
-    from pipeline.storage import url_to_fs
+    from pipeline.reshard.layout import META, TensorSpec, ordered
+    from pipeline.storage import put_atomic, url_to_fs
+    from pipeline.weights import write_hf_folder
 
     dtype = getattr(torch, dtype_name)
     cfg = Qwen2Config(**{**QWEN2_05B, "num_hidden_layers": layers}, torch_dtype=dtype_name,
                       architectures=["Qwen2ForCausalLM"])
-    os.makedirs(os.path.join(dst, "hf"))
-    cfg.save_pretrained(os.path.join(dst, "hf"))
+    write_hf_folder(os.path.join(dst, "hf"), config=cfg)
     arch = Architecture.from_config(cfg.to_dict(), dst)
     specs = ordered(TensorSpec(n, s, dtype) for n, s in arch.expected_shapes().items())
     fs, root = url_to_fs(dst)
@@ -89,8 +90,7 @@ def build_checkpoint(dst: str, dtype_name: str, layers: int) -> tuple[int, int]:
         writer.write(spec, t)
         del t
     writer.commit()
-    with open(os.path.join(dst, "meta.json"), "w") as f:
-        json.dump({"step": 1, "world_size": 2, "policy_version": 1, "format": "dcp"}, f)
+    put_atomic(fs, f"{root}/{META}", encode_meta(checkpoint_meta(1, 2, 1)))
     return sum(s.nbytes for s in specs), max(s.nbytes for s in specs)
 
 

@@ -10,9 +10,13 @@ import logging
 import os
 import sys
 import traceback
+from importlib.metadata import entry_points
 
 from .config import ConfigError
+from .scoring import RewardError
 from .signals import StopSignal, handle_stop_signals
+
+COMMAND_GROUPS = "rlhf.commands"  # entry-point group of the command groups installed packages add
 
 
 def _setup_logging(verbose: bool) -> None:
@@ -40,7 +44,7 @@ def cmd_init_example(args) -> int:
 
 
 def cmd_prepare(args) -> int:
-    from .runner import prepare
+    from .orchestration import prepare
 
     run = prepare(_config(args), args.run_dir, args.runs_root)
     print(run.url)
@@ -62,7 +66,7 @@ def cmd_trainer(args) -> int:
 
 
 def cmd_finalize(args) -> int:
-    from .runner import finalize
+    from .orchestration import finalize
     from .runs import RunDir
 
     print(json.dumps(finalize(RunDir(args.run_dir)), indent=1))
@@ -70,8 +74,8 @@ def cmd_finalize(args) -> int:
 
 
 def cmd_eval(args) -> int:
+    from .orchestration import evaluate_policy
     from .policy import PolicyStore
-    from .runner import evaluate_policy
     from .runs import RunDir
 
     run = RunDir(args.run_dir)
@@ -122,7 +126,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--run-dir", required=True)
     s.set_defaults(fn=cmd_trainer)
 
-    s = sub.add_parser("finalize", help="evaluate and write summary.json")
+    s = sub.add_parser("finalize", help="verify and evaluate the final policy, compact L1 into L3, write summary.json")
     s.add_argument("--run-dir", required=True)
     s.set_defaults(fn=cmd_finalize)
 
@@ -131,10 +135,29 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--version", type=int, default=None)
     s.set_defaults(fn=cmd_eval)
 
-    for module in ("pipeline.buffer.cli", "pipeline.reshard.cli", "pipeline.sampler.cli", "pipeline.airflow_local"):
+    for module in ("pipeline.buffer.cli", "pipeline.reshard.cli", "pipeline.sampler.cli"):
         if importlib.util.find_spec(module) is not None:  # command groups of the optional parts
             importlib.import_module(module).add_parser(sub)
+    _add_installed_groups(sub)
     return p
+
+
+def _add_installed_groups(sub) -> None:
+    """Command groups other packages register under the `rlhf.commands` entry-point group (name =
+    the command, value = a function that adds its subparser), e.g. `rlhf airflow` from the
+    project's Airflow tooling. One that fails to load is left out, with a line saying why, so the
+    engine's own commands keep working wherever they run."""
+    seen = set()
+    for ep in sorted(entry_points(group=COMMAND_GROUPS), key=lambda e: e.name):
+        if ep.name in seen:
+            continue
+        seen.add(ep.name)
+        try:
+            add_parser = ep.load()
+        except ImportError as e:
+            print(f"rlhf: command group {ep.name!r} ({ep.value}) not available: {e}", file=sys.stderr)
+            continue
+        add_parser(sub)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -148,6 +171,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except RewardError as e:  # the traceback of the user's reward is in the log above
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     except StopSignal as e:
         print(f"stopped by {e.signum.name}", file=sys.stderr)
         return e.exit_code

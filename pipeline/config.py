@@ -7,18 +7,17 @@ the fix, before any model or dataset is loaded.
 
 from __future__ import annotations
 
+import copy
 import re
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, JsonValue, ValidationError, field_validator, model_validator
+
+from .config_yaml import ConfigError, apply_overrides, load_yaml_text, one_line, show_value
 
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
-
-
-class ConfigError(ValueError):
-    """A bad config value; the message is one line naming the field and the fix."""
 
 
 def validate_name(value: str, field: str, max_len: int = 128) -> str:
@@ -38,14 +37,32 @@ def validate_run_id(run_id: str) -> str:
 
 class _Section(BaseModel):
     # field docstrings become the JSON schema's descriptions (the trigger form shows them)
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, use_attribute_docstrings=True)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, use_attribute_docstrings=True,
+                              allow_inf_nan=False)
+
+    @field_validator("*")
+    @classmethod
+    def _int64(cls, v: Any) -> Any:
+        if _beyond_int64(v):  # torch, numpy and Arrow take 64-bit integers; YAML cannot write longer ones
+            raise ValueError("an integer beyond 64 bits; use a value between -2**63 and 2**63 - 1")
+        return v
+
+
+def _beyond_int64(v: Any) -> bool:
+    if isinstance(v, int):
+        return not -2**63 <= v < 2**63
+    if isinstance(v, dict):
+        return any(_beyond_int64(x) for x in v.values())
+    return isinstance(v, list) and any(_beyond_int64(x) for x in v)
 
 
 class ModelConfig(_Section):
     path: str = "builtin:sort"
     """A Hugging Face model folder (local path or fsspec URL), or `builtin:<task>` for the tiny model."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    """Training/inference dtype; use float32 on CPU (bf16 is slower there)."""
+    """Compute and serving dtype: the sampler loads the policy in it, the trainer computes in it while its master weights and optimizer state stay float32 (bfloat16 on GPUs; float32 on CPU, where bf16 is slower)."""
+    trust_remote_code: bool = False
+    """Run the Python code a model folder ships (an architecture transformers does not know, named by `auto_map` in its config.json) when the trainer, the sampler (hf and vllm) and evaluation load its tokenizer and model; off by default: turn it on only for folders you trust."""
 
 
 class DataConfig(_Section):
@@ -54,14 +71,40 @@ class DataConfig(_Section):
     eval: str = "builtin:sort"
     """Held-out prompts, same format; `builtin:<task>` uses the task's held-out split."""
     max_prompt_tokens: int = Field(128, gt=0)
-    """Prompts longer than this are rejected when the data is staged."""
+    """Longest rendered prompt, in tokens of the policy's tokenizer; the sampler checks every training prompt at start (see overlong_prompts)."""
+    overlong_prompts: Literal["filter", "fail"] = "filter"
+    """Training prompts over max_prompt_tokens: `filter` drops them and logs the count (verl's filter_overlong_prompts); `fail` stops the sampler naming the first one."""
     eval_size: int = Field(256, gt=0)
     """Held-out prompts used for evaluation (the first N)."""
 
 
 class RewardConfig(_Section):
-    fn: str = "sort"
-    """Registered reward name (`sort`, `digit`, ...) or `path/to/file.py:function` (verl signature)."""
+    kind: Literal["rule", "model"] = "rule"
+    """What scores the sampler's completions: `rule` (reward.fn) or `model` (the reward model at reward.model)."""
+    fn: str = "auto"
+    """Rule reward: `auto` (the built-in scorer of each row's data_source), a built-in (`sort`, `digit`, `gsm8k`, `math`) or `path/to/file.py:function` (verl's signature, called by keyword); held-out evaluation always uses it."""
+    batched: bool | None = None
+    """The function takes lists (data_sources=, solution_strs=, ground_truths=, extra_infos=) and returns one value per sample; None: told by its signature (a parameter named solution_strs)."""
+    timeout_s: float | None = Field(10.0, gt=0)
+    """Time limit of a rule reward per sample (per call when batched); it runs in a worker process that is killed past it. None: run in the sampler process, without a limit."""
+    on_error: Literal["fail", "zero"] = "fail"
+    """A rule reward that raises, returns a bad value or times out: `fail` stops the sampler naming the sample; `zero` scores it 0. Both count it (reward/errors, reward/timeouts)."""
+    model: str | None = None
+    """Reward model (kind=model): a Hugging Face sequence-classification folder, local path or fsspec URL."""
+    device: str = Field("cpu", pattern=r"^(cpu|cuda(:\d+)?|mps|xpu(:\d+)?)$")
+    """Device of the reward model in the sampler process: cpu, cuda or cuda:N."""
+    model_label: int = Field(0, ge=0)
+    """The reward model's logit used as the score (0 for a one-label reward model)."""
+    model_sigmoid: bool = False
+    """Squash the reward model's logit into (0, 1) with a sigmoid."""
+    batch_size: int = Field(16, gt=0)
+    """Sequences per reward-model forward pass."""
+
+    @model_validator(mode="after")
+    def _model(self) -> "RewardConfig":
+        if self.kind == "model" and not self.model:
+            raise ValueError("reward.kind=model needs reward.model: a Hugging Face sequence-classification folder")
+        return self
 
 
 class SamplerConfig(_Section):
@@ -83,7 +126,7 @@ class SamplerConfig(_Section):
     """How often a waiting sampler looks for a new policy version or a stop marker."""
     max_batch_tokens: int = Field(32768, gt=0)
     """Token budget of one engine call, sum of (prompt + max_new_tokens) * n; bigger calls are split, halved on OOM."""
-    vllm: dict[str, Any] = Field(default_factory=dict)
+    vllm: dict[str, JsonValue] = Field(default_factory=dict)
     """Extra engine arguments for the vllm backend (tensor_parallel_size, gpu_memory_utilization, ...)."""
 
 
@@ -148,6 +191,8 @@ class TrainerConfig(_Section):
     """Trainer processes the local runner starts (torchrun + FSDP2 when > 1)."""
     sync_every: int = Field(1, gt=0)
     """Publish a new policy version for the sampler every N steps."""
+    gradient_checkpointing: bool = False
+    """Recompute activations in the backward pass (less memory, ~30% more compute)."""
     keep_policy_versions: int = Field(3, ge=1)
     """Policy versions kept: the newest K; v0, phase-end versions (the last is the final one) and any version a sampler is loading stay as well, older ones are deleted after each publication."""
     threads: int = Field(1, gt=0)
@@ -173,8 +218,8 @@ class BufferConfig(_Section):
     """fsync data files and log entries on local disk: commits survive a machine crash, at a disk flush each; off, files torn by a crash are quarantined."""
     checkpoint_interval: int = Field(50, gt=0)
     """Commit-log entries between state checkpoints; opening reads one checkpoint plus at most this many entries."""
-    num_epochs_per_sample: int = Field(2, ge=0)
-    """Times an L2 group may be replayed after its fresh use; 0 disables replay."""
+    max_replays_per_group: int = Field(2, ge=0, validation_alias=AliasChoices("max_replays_per_group", "num_epochs_per_sample"))
+    """Times an L2 group may be replayed after its fresh use; 0 disables replay. `num_epochs_per_sample`, its deprecated old name, is still accepted."""
     l2_min_reward_std: float = Field(0.0, ge=0)
     """Promote only groups whose reward standard deviation is above this (0: any non-zero spread)."""
     l2_min_reward_mean: float | None = None
@@ -208,9 +253,9 @@ class BufferConfig(_Section):
     max_fresh_backlog: int | None = None
     """Rate limiter: the sampler waits while more than this many L1 groups are unconsumed (None: only l1_max_rows)."""
     orphan_grace_s: float = Field(3600.0, ge=0)
-    """gc deletes unreferenced files only when older than this (a writer may be about to commit them)."""
+    """vacuum deletes unreferenced files only when older than this (a writer may be about to commit them)."""
     log_retention_s: float = Field(7 * 86400.0, ge=0)
-    """gc deletes log entries covered by a checkpoint once older than this."""
+    """vacuum deletes log entries covered by a checkpoint once older than this."""
 
 
 class EvalConfig(_Section):
@@ -219,10 +264,17 @@ class EvalConfig(_Section):
     batch_size: int = Field(64, gt=0)
 
 
+class DevicesConfig(_Section):
+    sampler_share: float = Field(0.3, gt=0, lt=1)
+    """Share of a machine's accelerators that sample; the rest train (about 3:7 is a common split). With one accelerator both share it and vLLM gets this share of its memory."""
+    count: int | None = Field(None, ge=0)
+    """Accelerators of a machine; empty = those the process sees (CUDA_VISIBLE_DEVICES or the CUDA device count); 0 = CPU only."""
+
+
 class RunConfig(_Section):
     run_id: str | None = None
     """Run name used in paths; generated from the time when empty."""
-    seed: int = 0
+    seed: int = Field(0, ge=0)
     """Seed of the built-in model and prompts, the prompt order, sampling and replay draws."""
     model: ModelConfig = ModelConfig()
     data: DataConfig = DataConfig()
@@ -231,6 +283,7 @@ class RunConfig(_Section):
     trainer: TrainerConfig = TrainerConfig()
     buffer: BufferConfig = BufferConfig()
     eval: EvalConfig = EvalConfig()
+    devices: DevicesConfig = DevicesConfig()
 
     @field_validator("run_id")
     @classmethod
@@ -269,49 +322,38 @@ def _format_error(err: ValidationError) -> str:
     if kind == "value_error":
         msg = str(e.get("ctx", {}).get("error", e["msg"]))
         return msg if loc == "config" else f"{loc}: {msg}"
-    got = e.get("input")
-    return f"{loc}: {e['msg'].rstrip('.')} (got {got!r}); fix the value of '{loc}'"
-
-
-def _coerce_override(raw: str) -> Any:
-    return yaml.safe_load(raw) if raw != "" else ""
-
-
-def apply_overrides(data: dict, overrides: list[str] | None) -> dict:
-    """Apply `a.b.c=value` overrides (values parsed as YAML scalars) to a nested dict."""
-    for item in overrides or []:
-        if "=" not in item:
-            raise ConfigError(f"override {item!r}: expected key=value, e.g. trainer.steps=20")
-        key, raw = item.split("=", 1)
-        parts = key.strip().split(".")
-        node = data
-        for p in parts[:-1]:
-            node = node.setdefault(p, {})
-            if not isinstance(node, dict):
-                raise ConfigError(f"override {item!r}: '{p}' is not a section")
-        node[parts[-1]] = _coerce_override(raw)
-    return data
+    return f"{loc}: {e['msg'].rstrip('.')} (got {show_value(e.get('input'))}); fix the value of '{loc}'"
 
 
 def parse_config(data: dict | None, overrides: list[str] | None = None) -> RunConfig:
-    data = apply_overrides(dict(data or {}), overrides)
+    if not isinstance(data, (dict, type(None))):
+        raise ConfigError(f"config: top level is a {type(data).__name__}; it must be a mapping of sections")
+    data = apply_overrides(copy.deepcopy(data or {}), overrides)  # the caller's dict stays as it was
     try:
         return RunConfig.model_validate(data)
     except ValidationError as err:
-        raise ConfigError(_format_error(err)) from None
+        raise ConfigError(one_line(_format_error(err))) from None
+
+
+def read_config_file(path: str | Path) -> dict:
+    """A config file's mapping of sections, not yet validated (the form merges its fields into it)."""
+    p = Path(path)
+    if not p.exists():
+        raise ConfigError(f"config file {str(path)!r} not found; pass a YAML file such as configs/tiny-grpo.yaml")
+    try:
+        text = p.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"config file {str(path)!r} cannot be read as UTF-8 text ({e}); "
+                          "pass a YAML file such as configs/tiny-grpo.yaml") from None
+    try:
+        data = load_yaml_text(text) or {}
+    except ValueError as e:
+        raise ConfigError(f"config file {str(path)!r} is not valid YAML: {e}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {str(path)!r}: top level must be a mapping of sections")
+    return data
 
 
 def load_config(path: str | Path | None, overrides: list[str] | None = None) -> RunConfig:
     """The one loader of run configs: YAML file (or None for defaults) plus `key=value` overrides."""
-    data: dict = {}
-    if path is not None:
-        p = Path(path)
-        if not p.exists():
-            raise ConfigError(f"config file {str(path)!r} not found; pass a YAML file such as configs/tiny-grpo.yaml")
-        try:
-            data = yaml.safe_load(p.read_text()) or {}
-        except yaml.YAMLError as e:
-            raise ConfigError(f"config file {str(path)!r} is not valid YAML: {e}") from None
-        if not isinstance(data, dict):
-            raise ConfigError(f"config file {str(path)!r}: top level must be a mapping of sections")
-    return parse_config(data, overrides)
+    return parse_config(read_config_file(path) if path is not None else {}, overrides)

@@ -2,6 +2,10 @@
 
 Required columns: `data_source`, `prompt` (list of chat messages or a string),
 `reward_model.ground_truth`. Optional: `ability`, `extra_info` (a struct/dict).
+
+`ground_truth` and `extra_info` keep the type the Parquet column gives them: a string, a number,
+a list (Arrow list column) or a dict (Arrow struct column), and reach the reward function as such.
+A ground truth stored as a JSON string stays a string: the reward function decodes it, as in verl.
 """
 
 from __future__ import annotations
@@ -10,6 +14,7 @@ import hashlib
 import io
 import json
 from dataclasses import dataclass
+from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -25,7 +30,7 @@ class PromptRow:
     prompt_id: str
     data_source: str
     messages: list | str
-    ground_truth: str
+    ground_truth: Any  # as the dataset holds it: str, number, list or dict
     extra_info: dict | None
 
 
@@ -74,10 +79,38 @@ def load_prompts(url: str, field: str = "data.train", limit: int | None = None) 
             prompt_id=prompt_id_of(r, i),
             data_source=str(r["data_source"]),
             messages=r["prompt"],
-            ground_truth=str(r["reward_model"]["ground_truth"]),
+            ground_truth=r["reward_model"]["ground_truth"],
             extra_info=r.get("extra_info"),
         ))
     return rows
+
+
+def filter_overlong(prompts: list[PromptRow], tokenizer, max_tokens: int, policy: str = "filter",
+                    field: str = "data.train") -> tuple[list[PromptRow], int]:
+    """Prompts whose rendered text is at most `max_tokens` tokens, and how many were longer.
+
+    policy `filter` drops the longer ones (verl's `filter_overlong_prompts`); `fail` raises a
+    ConfigError naming the first one."""
+    from .models import render_prompt
+
+    kept: list[PromptRow] = []
+    for start in range(0, len(prompts), 1024):
+        chunk = prompts[start:start + 1024]
+        ids = tokenizer([render_prompt(tokenizer, p.messages) for p in chunk], add_special_tokens=False)["input_ids"]
+        for p, t in zip(chunk, ids):
+            if len(t) <= max_tokens:
+                kept.append(p)
+            elif policy == "fail":
+                raise ConfigError(
+                    f"data.max_prompt_tokens: prompt {p.prompt_id} of {field} (data_source {p.data_source!r}) "
+                    f"is {len(t)} tokens, over the limit of {max_tokens}; raise data.max_prompt_tokens or set "
+                    "data.overlong_prompts=filter to drop such prompts"
+                )
+    dropped = len(prompts) - len(kept)
+    if not kept:
+        raise ConfigError(f"data.max_prompt_tokens: all {len(prompts)} prompts of {field} are over "
+                          f"{max_tokens} tokens; raise data.max_prompt_tokens")
+    return kept, dropped
 
 
 def stage(src_url: str, dst_fs, dst_path: str, field: str, limit: int | None = None) -> int:

@@ -7,6 +7,7 @@ downloaded from a model hub: `local_files_only=True` everywhere.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 from pathlib import Path
@@ -55,22 +56,57 @@ def localize(url: str) -> str:
     return str(dst)
 
 
-def load_tokenizer(path: str):
+def load_tokenizer(path: str, *, trust_remote_code: bool = False):
+    """The model's tokenizer; one without a pad token (Llama's) pads with its EOS token (batches
+    carry attention masks, so padding is never read as text)."""
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(localize(path), local_files_only=True)
+    with _remote_code_hint(path):
+        tok = AutoTokenizer.from_pretrained(localize(path), local_files_only=True, trust_remote_code=trust_remote_code)
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
     return tok
 
 
-def load_model(path: str, dtype: str = "float32"):
+def eos_token_ids(path: str, tokenizer) -> list[int]:
+    """Every id that ends a completion: the tokenizer's EOS and those of generation_config.json
+    (Llama 3 and Qwen2.5-Instruct list several, e.g. <|eot_id|> beside <|end_of_text|>)."""
+    import json
+
+    ids = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    gen = Path(localize(path)) / "generation_config.json"
+    if gen.is_file():
+        listed = json.loads(gen.read_text()).get("eos_token_id")
+        for i in listed if isinstance(listed, list) else [listed]:
+            if isinstance(i, int) and i not in ids:
+                ids.append(i)
+    if not ids:
+        raise ValueError(f"{path}: neither the tokenizer nor generation_config.json names an EOS token")
+    return ids
+
+
+def load_model(path: str, dtype: str = "float32", *, trust_remote_code: bool = False):
+    """Any Hugging Face causal LM; `trust_remote_code` (the run's `model.trust_remote_code`) runs
+    the modelling code a folder ships for architectures transformers does not know."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(
-        localize(path), local_files_only=True, dtype=getattr(torch, dtype)
-    )
-    return model
+    with _remote_code_hint(path):
+        return AutoModelForCausalLM.from_pretrained(
+            localize(path), local_files_only=True, dtype=getattr(torch, dtype), trust_remote_code=trust_remote_code
+        )
+
+
+@contextlib.contextmanager
+def _remote_code_hint(path: str):
+    """transformers refuses a folder whose architecture is its own code unless trusted: say which
+    setting trusts it."""
+    try:
+        yield
+    except ValueError as e:
+        if "trust_remote_code" not in str(e):
+            raise
+        raise ValueError(f"{path}: the model ships its own code, which runs only with model.trust_remote_code: true "
+                         f"(set it only for folders you trust); transformers said: {e}") from None
 
 
 def render_prompt(tokenizer, messages) -> str:

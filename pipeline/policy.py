@@ -1,8 +1,14 @@
 """Policy versions in the sampler's layout: `policy/v<K>/` committed by its `manifest.json`.
 
-A version exists only once its manifest exists (create-only), so a sampler never loads a partial
-folder. `policy/latest.json` points to the newest version; it is a hint updated after the commit,
-and the manifest stays the source of truth.
+`PolicyStore` is the one writer and the one reader of this format. A version is a Hugging Face
+folder that `pipeline.reshard` writes into `policy/v<K>/` from any layout it reads (a trainer
+checkpoint, a Hugging Face folder, tp:N) and commits with its create-only manifest; a version exists
+only once that manifest exists, so a sampler never loads a partial folder. `policy/latest.json`
+points to the newest version; it is a hint updated after the commit, and the manifest stays the
+source of truth. The publications: v0 in `prepare` (`publish_folder`), the trainer's in-phase
+versions (`publish_model`, in-memory weights) and each phase's checkpoint (`publish_checkpoint`,
+which also verifies every file against the manifest; the DAG's reshard task and the local runner
+call it).
 
 Retention (`retain`): the trainer deletes old versions after each publication; a loader takes the
 newest version through `lease_latest`, which records a lease in `policy/leases/<holder>.json`, and
@@ -46,6 +52,15 @@ def version_dirname(version: int) -> str:
 
 
 @dataclass(frozen=True)
+class PolicyPublication:
+    version: int
+    published_now: bool
+    """False when the version was already committed (a retried task); it was verified either way."""
+    files: int
+    bytes: int
+
+
+@dataclass(frozen=True)
 class PolicyLease:
     version: int
     path: str
@@ -69,29 +84,60 @@ class PolicyStore:
     def exists(self, version: int) -> bool:
         return self.fs.exists(self._dir(version) + "/manifest.json")
 
-    def publish_folder(self, version: int, local_folder: str, meta: dict | None = None) -> bool:
-        """Publish a complete model folder as `version` through `pipeline.reshard` (the one
-        publication path): a Hugging Face folder, or any layout it reads (a trainer checkpoint,
-        tp:N), on local disk or any fsspec URL. Idempotent: returns False if the version was
-        already committed (a retried task)."""
+    def url(self, version: int) -> str:
+        """The URL of `version`'s folder (committed or not)."""
+        return self.run.child_url("policy", version_dirname(version))
+
+    # publishing -------------------------------------------------------------------------------
+    def publish_folder(self, version: int, source_url: str, meta: dict | None = None) -> bool:
+        """Publish a complete model as `version` through `pipeline.reshard` (the one publication
+        path): a Hugging Face folder, or any layout it reads (a trainer checkpoint, tp:N), on local
+        disk or any fsspec URL; `meta` adds keys to the manifest. Idempotent: returns False if the
+        version was already committed (a retried task)."""
         if self.exists(version):
             return False
         from .reshard import publish
 
-        _, committed = publish(local_folder, self.run.child_url("policy", version_dirname(version)), "hf",
-                               policy_version=version, extra=meta)
+        _, committed = publish(source_url, self.url(version), "hf", policy_version=version, extra=meta)
         if committed:
             latest = self.latest()
             if latest is None or version >= latest:
                 put_atomic(self.fs, self.run.path("policy", "latest.json"), json.dumps({"version": version}).encode())
         return committed
 
-    def publish_model(self, version: int, model, tokenizer, meta: dict | None = None) -> bool:
-        """Publish in-memory weights (the trainer's in-phase sync path)."""
+    def publish_model(self, version: int, model, tokenizer, meta: dict | None = None,
+                      weights: dict | None = None) -> bool:
+        """Publish in-memory weights (the trainer's in-phase path): `weights` ({hf name: tensor},
+        e.g. gathered from FSDP2 shards) or else the model's own state dict, with its config,
+        generation config and `tokenizer`. Idempotent like `publish_folder`."""
+        if self.exists(version):
+            return False
+        from .weights import write_hf_folder
+
         with tempfile.TemporaryDirectory(prefix="policy-") as tmp:
-            model.save_pretrained(tmp, safe_serialization=True)
-            tokenizer.save_pretrained(tmp)
-            return self.publish_folder(version, tmp, meta)
+            folder = os.path.join(tmp, "model")
+            write_hf_folder(folder, config=model.config, tokenizer=tokenizer,
+                            generation_config=getattr(model, "generation_config", None),
+                            weights=model.state_dict() if weights is None else weights)
+            return self.publish_folder(version, folder, meta)
+
+    def publish_checkpoint(self, version: int, checkpoint_url: str) -> PolicyPublication:
+        """Publish the trainer checkpoint at `checkpoint_url` as `version` and verify every file of
+        the version against its manifest: a phase's publication. Idempotent (a retried task
+        verifies what the first attempt committed); raises ReshardError when the checkpoint is
+        unusable or the version does not verify."""
+        published = self.publish_folder(version, checkpoint_url)
+        report = self.verify(version)
+        return PolicyPublication(version, published, report.files, report.bytes)
+
+    def verify(self, version: int):
+        """Check every file of `version` against its manifest; returns the `Verification` and raises
+        ReshardError when a file is missing or differs, or the version is not committed."""
+        from .reshard import verify
+
+        report = verify(self.url(version))
+        report.raise_if_bad()
+        return report
 
     def latest(self) -> int | None:
         try:

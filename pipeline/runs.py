@@ -86,7 +86,29 @@ def url_is_under(url: str, root: str) -> bool:
 
 
 class RunDir:
-    """A handle on one run directory. Cheap to construct; holds no open files."""
+    """A handle on one run directory. Cheap to construct; holds no open files.
+
+    The names of the markers processes and orchestrators exchange live here, and only here."""
+
+    STOP_MARKER = "stop"
+    """Written to stop the run: the sampler, the trainer and waiting sensors obey it (`request_stop`)."""
+    TRAINER_DONE_MARKER = "trainer_done"
+    """Written by the trainer after its last step: {"step", "replay_epochs_skipped"}."""
+
+    @staticmethod
+    def phase_done_marker(phase: int) -> str:
+        """Written by the trainer once the checkpoint closing phase `phase` is complete: {"step", "checkpoint"}."""
+        return f"phase_{int(phase)}.done"
+
+    @staticmethod
+    def replay_gate_marker(epoch: int) -> str:
+        """Written by the orchestrator to open replay epoch `epoch` (see pipeline.orchestration)."""
+        return f"replay_gate_{int(epoch)}.open"
+
+    @staticmethod
+    def sampler_state_marker(sampler_id: str) -> str:
+        """The resume state of one sampler replica: {"prompt_position", "batches"}."""
+        return f"sampler_state_{sampler_id.lower()}"
 
     def __init__(self, url: str):
         if not url:
@@ -202,21 +224,21 @@ class RunDir:
         DAG run's clear count): for a later attempt (the failed run cleared in the UI) it is stale,
         and that attempt resumes the run. A stop without `attempt` (a user's, the local runner's,
         the one after the trainer finished) is final."""
-        self.set_marker("stop", {"reason": reason, "by": by, "attempt": attempt})
+        self.set_marker(self.STOP_MARKER, {"reason": reason, "by": by, "attempt": attempt})
 
     def stop_marker(self, attempt: int | None = None) -> dict | None:
         """The stop marker's payload; None when there is none, or when it is stale for `attempt`:
         it ended an earlier attempt (its `attempt` < `attempt`) and the trainer has not finished."""
-        stop = self.marker("stop")
+        stop = self.marker(self.STOP_MARKER)
         if stop is None or attempt is None or stop.get("attempt") is None:
             return stop
-        if int(stop["attempt"]) < int(attempt) and not self.has_marker("trainer_done"):
+        if int(stop["attempt"]) < int(attempt) and not self.has_marker(self.TRAINER_DONE_MARKER):
             return None
         return stop
 
     def stop_requested(self, attempt: int | None = None) -> bool:
         if attempt is None:
-            return self.has_marker("stop")
+            return self.has_marker(self.STOP_MARKER)
         return self.stop_marker(attempt) is not None
 
     def clear_stale_stop(self, attempt: int | None) -> dict | None:
@@ -225,10 +247,10 @@ class RunDir:
         attempts. Returns the removed payload, or None when there was nothing stale."""
         from .storage import delete
 
-        stop = self.marker("stop")
+        stop = self.marker(self.STOP_MARKER)
         if stop is None or attempt is None or self.stop_marker(attempt) is not None:
             return None
-        delete(self.fs, self.path(self._marker("stop")))
+        delete(self.fs, self.path(self._marker(self.STOP_MARKER)))
         return stop
 
     # metrics ----------------------------------------------------------------------------------

@@ -31,7 +31,13 @@ def overlap_seconds(a: list[tuple[float, float]], b: list[tuple[float, float]]) 
 
 
 def _busy(records: list[dict]) -> list[tuple[float, float]]:
-    return [(r["timing/start"], r["timing/end"]) for r in records if "timing/start" in r]
+    """(start, end) wall-clock times of each step or batch (`timing/...` in streams of old runs)."""
+    out = []
+    for r in records:
+        key = "time" if "time/start" in r else "timing" if "timing/start" in r else None
+        if key:
+            out.append((r[f"{key}/start"], r[f"{key}/end"]))
+    return out
 
 
 def sampler_streams(run: RunDir) -> list[str]:

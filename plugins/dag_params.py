@@ -22,6 +22,8 @@ from typing import Any, NamedTuple
 
 from airflow.sdk import Param
 
+from plugins.local.folders import configs_folder
+
 RUN_NAME_PATTERN = r"^([A-Za-z0-9][A-Za-z0-9._-]{0,127})?$"
 CONFIG_FILE_PATTERN = r"^([A-Za-z0-9][A-Za-z0-9_.-]*\.ya?ml)?$"
 # Run directories go under $RLHF_RUNS_ROOT, or under one of the comma-separated URLs of
@@ -145,7 +147,8 @@ def run_params(*, with_dataset: bool = True) -> dict[str, Param]:
 
 
 def configs_dir() -> Path:
-    return Path(os.environ.get(CONFIGS_DIR_ENV) or Path(__file__).resolve().parents[1] / "configs")
+    """$RLHF_CONFIGS_DIR, else the configs/ folder installed with the project."""
+    return Path(os.environ.get(CONFIGS_DIR_ENV) or configs_folder())
 
 
 def runs_root(storage_url: str) -> str:
@@ -204,9 +207,8 @@ def check_conf_keys(conf: dict, params: dict) -> None:
 
 def config_dict(params: dict) -> dict:
     """Base config file + form fields + overrides, as a nested dict (not validated yet)."""
-    import yaml
-
-    from pipeline.config import apply_overrides
+    from pipeline.config import read_config_file
+    from pipeline.config_yaml import apply_overrides
 
     data: dict = {}
     name = params.get("config_file") or ""
@@ -217,7 +219,7 @@ def config_dict(params: dict) -> dict:
         if not path.is_file():
             choices = ", ".join(sorted(p.name for p in configs_dir().glob("*.y*ml")))
             raise ValueError(f"config_file: {name!r} not found in {configs_dir()}; choose one of: {choices}")
-        data = yaml.safe_load(path.read_text()) or {}
+        data = read_config_file(path)
     sets = [f"{field.key}={_yaml_scalar(params[name])}" for name, field in CONFIG_FIELDS.items()
             if params.get(name) is not None]
     overrides = params.get("overrides") or {}

@@ -50,20 +50,17 @@ def policy_asset(dag_id: str) -> Asset:
 @task(retries=SENSOR_RETRIES, retry_delay=timedelta(seconds=5))
 def reshard(checkpoint: dict) -> dict:
     """Trainer layout -> sampler layout, committed atomically as policy v<step>, then verified
-    against its manifest. The same library call the local runner makes; idempotent on retry."""
-    from pipeline.policy import PolicyStore
-    from pipeline.reshard import verify_policy
+    against its manifest: `orchestration.publish_phase`, the step the local runner takes too.
+    Idempotent on retry."""
+    from pipeline import orchestration
     from pipeline.runs import RunDir
-    from pipeline.trainer.publish import publish_phase_checkpoint
 
-    run_url, version = checkpoint["run_url"], int(checkpoint["step"])
-    published = publish_phase_checkpoint(run_url, checkpoint["checkpoint"], version)
-    if not PolicyStore(RunDir(run_url)).exists(version):
-        raise AirflowException(f"reshard of {checkpoint['checkpoint']} did not commit policy v{version}")
-    verify_policy(run_url, version)  # raises when a file is missing or its checksum differs
-    print(f"phase {checkpoint['phase']}: policy v{version} {'published' if published else 'already published'}"
-          f" from {checkpoint['checkpoint']} and verified")
-    return {"phase": checkpoint["phase"], "version": version, "published_now": bool(published)}
+    out = orchestration.publish_phase(RunDir(checkpoint["run_url"]), checkpoint["phase"], checkpoint["step"],
+                                      checkpoint["checkpoint"])
+    print(f"phase {out['phase']}: policy v{out['version']} "
+          f"{'published' if out['published_now'] else 'already published'} from {checkpoint['checkpoint']} "
+          f"and verified ({out['files']} files)")
+    return out
 
 
 @task_group(group_id="phase")
@@ -83,18 +80,15 @@ def _stop_sampler(run_url: str, dag_run=None) -> str:
     cleared sampler, trainer and sensors resume instead of stopping at once. This task then fails
     (having stopped the run), so that clearing only the failed tasks runs it again after the
     resumed trainer."""
+    from pipeline import orchestration
     from pipeline.runs import RunDir
 
     from plugins.hooks.run_dir import run_attempt
 
     run = RunDir(run_url)
-    attempt = run_attempt({"dag_run": dag_run})
-    if not run.stop_requested(attempt):
-        done = run.has_marker("trainer_done")
-        run.request_stop("trainer finished" if done else "trainer task ended without finishing",
-                         by="stop_sampler", attempt=None if done else attempt)
-    stop = run.stop_marker(attempt) or {}
-    if stop.get("attempt") is not None and not run.has_marker("trainer_done"):
+    stop = orchestration.stop_after_trainer(run, by="stop_sampler", attempt=run_attempt({"dag_run": dag_run}),
+                                            unfinished="trainer task ended without finishing")
+    if stop.get("attempt") is not None and not run.has_marker(run.TRAINER_DONE_MARKER):
         raise AirflowFailException(f"stopped the run: the {stop.get('reason')}; clear this DAG run's failed tasks "
                                    "(or the whole run) to resume it from the trainer's last checkpoint")
     return run_url
@@ -151,15 +145,16 @@ def training_run(dag_id: str, prepared, *, poke_interval: float = 5.0) -> dict:
 
 def prepare_run(dag_id: str, params: dict, conf: dict | None, run_name: str, extra: dict | None = None,
                 *, rerun_suffix: bool = False) -> dict:
-    """Body of a DAG's prepare task: validated config -> run directory, prompts, policy v0.
+    """Body of a DAG's prepare task: the form -> a validated config -> `orchestration.prepare` (run
+    directory, prompts, policy v0) -> the XCom the graph is mapped over.
 
     `extra` holds config keys the DAG decides itself (e.g. the retrain's dated prompts), applied
     over the form. Idempotent: a retried prepare finds the same run directory and config. With
     `rerun_suffix`, a run directory `run_name` that holds another config (the same date rerun with
     other parameters) is kept, and the run goes to `run_name-2`, `-3`, ... instead.
     """
-    from pipeline.config import apply_overrides
-    from pipeline.runner import prepare
+    from pipeline import orchestration
+    from pipeline.config_yaml import apply_overrides
     from pipeline.runs import run_url_for
 
     from plugins.dag_params import build_config, runs_root
@@ -173,7 +168,7 @@ def prepare_run(dag_id: str, params: dict, conf: dict | None, run_name: str, ext
     root = runs_root(params.get("storage_url") or "")
     if rerun_suffix:
         run_name = _unused_or_same(root, run_name, config)
-    run = prepare(config, run_url_for(root, run_name))
+    run = orchestration.prepare(config, run_url_for(root, run_name))
     n_phases = int(getattr(config.trainer, "phases", 1) or 1)
     n_epochs = int(getattr(config.trainer, "replay_epochs", 0) or 0)
     print(f"{dag_id}: run directory {run.url} ({n_phases} phases, {n_epochs} replay epochs)")

@@ -1,9 +1,10 @@
 """The tiered replay buffer: rollout shards on shared storage, committed through a create-only log.
 
     buffer/
-      _log/            numbered create-only entries + periodic checkpoints (log.py, state.py)
+      _log/            numbered create-only entries + periodic checkpoints (log.py, logfiles.py;
+                       the actions they hold: actions.py; the state they give: state.py)
       l1/              fresh shards, one per sampler batch (writer.py)
-      l2/              promoted groups for replay (replay.py)
+      l2/              promoted groups for replay (promotion.py, replay.py)
       l3/run=<id>/policy=<v>/part-*.parquet   archive (archive.py)
 
 Tiers and their bounds (BufferConfig):
@@ -13,15 +14,16 @@ Tiers and their bounds (BufferConfig):
   data is never dropped — the rate limiter (ratelimit.py) makes the sampler wait instead.
 - L2 warm: consumed groups that pass the quality filter (`promote`), drawn by proportional
   prioritized replay with importance weights (`sample_replay`, `update_priorities`) up to
-  `num_epochs_per_sample` times. Bound `l2_max_groups`: shards whose groups used up their replays
+  `max_replays_per_group` times. Bound `l2_max_groups`: shards whose groups used up their replays
   leave first, then the oldest shards (FIFO). L2 holds copies; the archive is built from L1.
 - L3 cold: large zstd files partitioned by run and policy version (`compact`). Bounds
   `l3_retention_s` and `l3_max_rows`: the oldest files are dropped first.
 
-Bad shards are quarantined (kept on storage, listed by `stats` and `verify`); `gc` removes
+Bad shards are quarantined (kept on storage, listed by `stats` and `verify`); `vacuum` removes
 orphans after `orphan_grace_s`. See buffer.py for the API.
 """
 
+from .actions import AddShard, LogEntry, MarkConsumed, Quarantine, RecordReplays, RemoveShard
 from .buffer import ReplayBuffer, parse_cursor
 from .log import CommitConflict, CommitLog
 from .ratelimit import RateLimiter
@@ -30,4 +32,5 @@ from .shards import CorruptShard
 from .writer import ShardWriter
 
 __all__ = ["ReplayBuffer", "ShardWriter", "ReplayBatch", "RateLimiter", "CommitLog", "CommitConflict",
-           "CorruptShard", "parse_cursor"]
+           "CorruptShard", "parse_cursor", "AddShard", "RemoveShard", "RecordReplays", "MarkConsumed", "Quarantine",
+           "LogEntry"]

@@ -4,11 +4,11 @@ Files land under `l3/run=<run_id>/policy=<version>/part-<id>.parquet` (Hive part
 is `policy`, not `policy_version`, because that column is also inside the files and the two would
 clash). Only files named by the commit log are part of the archive: read it with
 `archive_dataset(buf)` (pyarrow.dataset) or DuckDB on `archive_files(buf)`. A glob over `l3/`
-also works after `gc`, which removes the leftovers of interrupted compactions.
+also works after `vacuum`, which removes the leftovers of interrupted compactions.
 
 Compaction is one commit per chunk: add the new L3 files and remove the inputs, on the condition
 that every input is still live. If another compactor got there first the commit is abandoned and
-its files become orphans for gc; readers never see rows twice.
+its files become orphans for vacuum; readers never see rows twice.
 """
 
 from __future__ import annotations
@@ -22,9 +22,10 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from ..config import ConfigError, validate_run_id
-from .log import CommitConflict
+from .actions import AddShard, RemoveShard
+from .log import CommitConflict, shards_still_live
 from .shards import encode, group_layout, policy_range, write_shard
-from .state import BufferState, ShardInfo
+from .state import ShardInfo
 
 if TYPE_CHECKING:
     from .buffer import ReplayBuffer
@@ -53,15 +54,6 @@ def _chunks(shards: list[ShardInfo], max_rows: int) -> list[list[ShardInfo]]:
     if cur:
         out.append(cur)
     return out
-
-
-def _still_live(paths: list[str]):
-    def check(st: BufferState) -> None:
-        gone = [p for p in paths if p not in st.shards]
-        if gone:
-            raise CommitConflict(f"compaction inputs already removed: {gone[:3]}")
-
-    return check
 
 
 def compact(buf: "ReplayBuffer", everything: bool = False, consumer: str = "trainer") -> dict:
@@ -114,10 +106,8 @@ def _compact_chunk(buf: "ReplayBuffer", chunk: list[ShardInfo]) -> int:
         data = encode(part, "zstd")
         rel = f"l3/run={run_id}/policy={int(pv)}/part-{uuid.uuid4().hex}.parquet"
         write_shard(buf.fs, buf.root, rel, data, fsync=True)  # inputs go once this commits
-        actions.append({"op": "add", "path": rel, "tier": "l3", "rows": part.num_rows, "bytes": len(data),
-                        "ngroups": len(gsizes), "pv": list(policy_range(part)), "t": time.time()})
-    removes = [{"op": "remove", "path": p} for p in inputs]
-    buf.commit(removes + actions, precondition=_still_live(inputs))
+        actions.append(AddShard(rel, "l3", part.num_rows, len(data), tuple(gsizes), policy_range(part), time.time()))
+    buf.commit([RemoveShard(p) for p in inputs] + actions, precondition=shards_still_live(inputs, "compaction inputs"))
     return len(actions)
 
 
@@ -140,7 +130,7 @@ def enforce_l3_limits(buf: "ReplayBuffer") -> dict:
                 rows -= s.rows
     if drop:
         try:
-            buf.commit([{"op": "remove", "path": p} for p in drop], precondition=_still_live(drop))
+            buf.commit([RemoveShard(p) for p in drop], precondition=shards_still_live(drop, "archive files"))
         except CommitConflict:
             return {"l3_dropped": 0}
     return {"l3_dropped": len(drop)}

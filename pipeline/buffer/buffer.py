@@ -17,35 +17,27 @@ import bisect
 import logging
 import math
 import threading
-import time
 from collections import OrderedDict
+from contextlib import contextmanager
+from typing import Iterator, Sequence
 
 import numpy as np
 import pyarrow as pa
 
 from ..config import BufferConfig
 from ..storage import to_url, url_to_fs
-from .log import CommitConflict, CommitLog
-from .replay import ReplayBatch, annealed_beta, draw, group_stats, quality_filter
+from .actions import Action, MarkConsumed, Quarantine, RecordReplays
+from .log import CommitLog
+from .promotion import promote
+from .replay import ReplayBatch, annealed_beta, draw
 from .schema import ROLLOUT_SCHEMA
-from .shards import CorruptShard, conform, encode, group_layout, new_shard_path, policy_range, read_shard, write_shard
+from .shards import CorruptShard, read_shard
 from .state import TIERS, BufferState, ShardInfo
 from .writer import ShardWriter
 
 log = logging.getLogger(__name__)
 
 _CACHE_SHARDS = 64
-
-
-def _still_live(paths: list[str]):
-    """Commit precondition: every shard about to be removed is still live."""
-
-    def check(st: BufferState) -> None:
-        gone = [p for p in paths if p not in st.shards]
-        if gone:
-            raise CommitConflict(f"shards already removed by another process: {gone[:3]}")
-
-    return check
 
 
 def parse_cursor(cursor: dict | None) -> tuple[int, int]:
@@ -89,13 +81,18 @@ class ReplayBuffer:
             self.log.refresh()
             return self.log.state
 
-    def _log_for_write(self, writer_id: str) -> CommitLog:
-        self.log.writer = writer_id
-        return self.log
-
-    def commit(self, actions: list[dict], precondition=None) -> int:
+    @contextmanager
+    def current_state(self) -> Iterator[BufferState]:
+        """The state caught up with the log, held still for the block: no other thread of this
+        process applies a commit to it meanwhile (commits from inside the block are fine)."""
         with self._lock:
-            return self.log.commit(actions, precondition)
+            yield self.refresh()
+
+    def commit(self, actions: Sequence[Action], precondition=None, writer: str | None = None) -> int:
+        """Commit log actions (see actions.py) as one entry; returns its version. `writer` names
+        the committer in the entry; `precondition` is re-checked after a lost race."""
+        with self._lock:
+            return self.log.commit(actions, precondition, writer)
 
     # writing ----------------------------------------------------------------------------------
     def writer(self, writer_id: str) -> ShardWriter:
@@ -125,7 +122,7 @@ class ReplayBuffer:
             self._cache.pop(path, None)
         with self._lock:
             if path in self.log.state.shards:
-                self.log.commit([{"op": "quarantine", "path": path, "reason": reason[:2000]}])
+                self.log.commit([Quarantine(path, reason[:2000])])
 
     def load_shard(self, info: ShardInfo) -> pa.Table | None:
         """The shard's rows, or None after quarantining it when it is unreadable."""
@@ -135,7 +132,7 @@ class ReplayBuffer:
             self.quarantine(info.path, str(e))
             return None
         except FileNotFoundError:
-            # removed by compaction or eviction (and gc) since our view of the log: skip it;
+            # removed by compaction or eviction (and vacuum) since our view of the log: skip it;
             # still committed yet missing on storage: bad data like any other
             if info.path in self.refresh().shards:
                 self.quarantine(info.path, f"{self.root}/{info.path}: committed in version "
@@ -152,7 +149,7 @@ class ReplayBuffer:
         seq, g = parse_cursor(cursor)
         with self._lock:
             st = self.log.state
-            if not self.log._opened or self._known_groups(st, seq, g, max_groups) < max_groups:
+            if not self.log.is_open or self._known_groups(st, seq, g, max_groups) < max_groups:
                 st = self.refresh()  # only when the commits already seen cannot fill the batch
             if seq > st.next_seq:
                 raise ValueError(f"buffer cursor {cursor!r} is past the end of {self.url} "
@@ -224,94 +221,16 @@ class ReplayBuffer:
         seq, g = parse_cursor(cursor)
         with self._lock:
             st = self.refresh()
-            groups = st.groups_before(seq, g)
-            return self.log.commit([{"op": "consumed", "consumer": consumer,
-                                     "cursor": {"seq": seq, "group": g}, "groups": groups}])
+            return self.log.commit([MarkConsumed(consumer, seq, g, st.groups_before(seq, g))])
 
     # L2 warm ----------------------------------------------------------------------------------
     def promote(self, table: pa.Table, cursor: dict | None = None, consumer: str = "trainer") -> dict:
         """Commit the groups of `table` (consumed fresh data) that pass the quality filter to L2.
 
         With `cursor`, the consumer's L1 position is recorded in the same commit. Also applies the
-        L2 bound: groups that used up their replays leave first, then the oldest shards."""
-        cfg = self.config
-        counts = {"groups_in": 0, "promoted": 0, "no_variance": 0, "threshold": 0, "duplicate": 0, "evicted_shards": 0}
-        actions: list[dict] = []
-        if table.num_rows:
-            table, gsizes = group_layout(conform(table))
-            stats = group_stats(table, gsizes)
-            counts["groups_in"] = len(stats)
-            with self._lock:
-                st = self.refresh()
-                known = set(st.l2_hashes) if cfg.l2_dedup else set()
-                prio0 = max((g.priority for g in st.l2_groups.values()), default=1.0)
-                taken_keys = set(st.l2_groups)
-            kept, why = quality_filter(stats, known, cfg.l2_min_reward_std, cfg.l2_min_reward_mean,
-                                       cfg.l2_max_reward_mean, dedup=cfg.l2_dedup)
-            counts.update(why)
-            fresh_keys = []
-            for gs in kept:
-                if gs.key in taken_keys:  # the same group promoted twice (e.g. a replayed step)
-                    counts["duplicate"] += 1
-                else:
-                    taken_keys.add(gs.key)
-                    fresh_keys.append(gs)
-            if fresh_keys:
-                idx = np.concatenate([np.arange(g.start, g.start + g.count) for g in fresh_keys])
-                sub = table.take(pa.array(idx))
-                sub = sub.set_column(sub.schema.get_field_index("tier"), "tier",
-                                     pa.array(["l2"] * sub.num_rows, pa.string()))
-                data = encode(sub, cfg.shard_compression)
-                rel = new_shard_path("l2", "promote")
-                write_shard(self.fs, self.root, rel, data, fsync=cfg.fsync)
-                groups, start = [], 0
-                for g in fresh_keys:
-                    groups.append([g.key, start, g.count, g.ghash, prio0])
-                    start += g.count
-                actions.append({"op": "add", "path": rel, "tier": "l2", "rows": sub.num_rows,
-                                "bytes": len(data), "gsizes": [g.count for g in fresh_keys],
-                                "pv": list(policy_range(sub)), "t": time.time(), "groups": groups})
-                counts["promoted"] = len(fresh_keys)
-        if cursor is not None:
-            seq, g = parse_cursor(cursor)
-            actions.append({"op": "consumed", "consumer": consumer, "cursor": {"seq": seq, "group": g}})
-        if not actions:
-            return counts
-        with self._lock:
-            while True:
-                st = self.refresh()
-                evict = self._l2_evictions(st, counts["promoted"])
-                for a in actions:
-                    if a["op"] == "consumed":
-                        a["groups"] = st.groups_before(a["cursor"]["seq"], a["cursor"]["group"])
-                try:
-                    self.log.commit([{"op": "remove", "path": p} for p in evict] + actions,
-                                    precondition=_still_live(evict))
-                    break
-                except CommitConflict:
-                    continue  # another process evicted first: recompute against the new state
-        counts["evicted_shards"] = len(evict)
-        return counts
-
-    def _l2_evictions(self, st: BufferState, incoming: int) -> list[str]:
-        """L2 shards to remove: those whose groups all used up their replays, then the oldest
-        until the tier fits `l2_max_groups` with `incoming` more groups."""
-        max_replays = self.config.num_epochs_per_sample
-        shards = st.tier_shards("l2")
-        total = len(st.l2_groups) + incoming
-        evict = []
-        for info in shards:
-            keys = st.l2_by_path.get(info.path, [])
-            if all(st.l2_groups[k].replays >= max_replays for k in keys):
-                evict.append(info.path)
-                total -= len(keys)
-        for info in shards:
-            if total <= self.config.l2_max_groups:
-                break
-            if info.path not in evict:
-                evict.append(info.path)
-                total -= len(st.l2_by_path.get(info.path, []))
-        return evict
+        L2 bound: groups that used up their replays leave first, then the oldest shards. Returns
+        counts (see promotion.py)."""
+        return promote(self, table, None if cursor is None else parse_cursor(cursor), consumer)
 
     def sample_replay(self, num_groups: int, step: int, rng_seed: int) -> ReplayBatch:
         """Up to `num_groups` eligible L2 groups drawn by priority, with per-row importance weights.
@@ -322,7 +241,7 @@ class ReplayBuffer:
         beta = annealed_beta(step, cfg.priority_beta0, cfg.priority_beta_steps)
         with self._lock:
             st = self.refresh()
-            keys, probs, weights = draw(st.l2_groups, cfg.num_epochs_per_sample, num_groups,
+            keys, probs, weights = draw(st.l2_groups, cfg.max_replays_per_group, num_groups,
                                         cfg.priority_alpha, beta, cfg.priority_eps, rng_seed)
             picked = [(k, st.l2_groups[k], st.shards[st.l2_groups[k].path]) for k in keys]
         pieces, row_w, kept, kept_p = [], [], [], []
@@ -349,12 +268,12 @@ class ReplayBuffer:
                              "use e.g. the mean absolute advantage of the group")
         if not keys:
             return self.state.version
-        return self.commit([{"op": "prio", "keys": list(keys), "p": pr}])
+        return self.commit([RecordReplays(tuple(keys), tuple(pr))])
 
     def eligible_replay_groups(self) -> int:
-        """L2 groups that may still be replayed (fewer than num_epochs_per_sample replays)."""
+        """L2 groups that may still be replayed (fewer than max_replays_per_group replays)."""
         with self._lock:
-            return self.refresh().eligible(self.config.num_epochs_per_sample)
+            return self.refresh().eligible(self.config.max_replays_per_group)
 
     # maintenance ------------------------------------------------------------------------------
     def compact(self, everything: bool = False) -> dict:
@@ -363,7 +282,7 @@ class ReplayBuffer:
 
         return compact(self, everything)
 
-    def gc(self, grace_s: float | None = None, log_retention_s: float | None = None) -> dict:
+    def vacuum(self, grace_s: float | None = None, log_retention_s: float | None = None) -> dict:
         """Delete orphaned files and old log entries (see vacuum.py for what is safe to delete)."""
         from .vacuum import vacuum
 
@@ -418,7 +337,7 @@ class ReplayBuffer:
                 "version": st.version,
                 "tiers": tiers,
                 "l1_groups_committed": st.l1_groups_added,
-                "l2_eligible_groups": st.eligible(self.config.num_epochs_per_sample),
+                "l2_eligible_groups": st.eligible(self.config.max_replays_per_group),
                 "replays_done": st.replays_done,
                 "l1_staleness_rows": dict(sorted(staleness.items(), key=lambda kv: int(kv[0]))),
                 "l2_replay_groups": dict(sorted(replays.items(), key=lambda kv: int(kv[0]))),

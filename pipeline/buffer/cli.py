@@ -1,4 +1,6 @@
-"""`rlhf buffer stats|verify|compact|gc URL`: inspect and maintain a buffer from a shell.
+"""`rlhf buffer stats|verify|compact|vacuum URL`: inspect and maintain a buffer from a shell.
+
+`rlhf buffer gc` is the same command as `vacuum`, under its earlier name.
 
 URL is a buffer (`.../<run_id>/buffer`) or a run directory (its `buffer/` and the buffer settings
 of its frozen config are used; empty until the sampler's first commit). Any other path is an error
@@ -54,8 +56,8 @@ def cmd_compact(args) -> int:
     return 0
 
 
-def cmd_gc(args) -> int:
-    _print(open_buffer(args.url).gc(grace_s=args.grace_s, log_retention_s=args.log_retention_s))
+def cmd_vacuum(args) -> int:
+    _print(open_buffer(args.url).vacuum(grace_s=args.grace_s, log_retention_s=args.log_retention_s))
     return 0
 
 
@@ -78,10 +80,11 @@ def add_parser(subparsers) -> None:
     s.add_argument("--all", action="store_true", help="archive all of L1, consumed or not (end of run)")
     s.set_defaults(fn=cmd_compact)
 
-    s = sub.add_parser("gc", help="delete orphaned files and log entries covered by a checkpoint")
+    s = sub.add_parser("vacuum", aliases=["gc"],
+                       help="delete orphaned files and log entries covered by a checkpoint (alias: gc)")
     s.add_argument("url")
     s.add_argument("--grace-s", type=float, default=None, help="minimum age of an orphan (default: config)")
     s.add_argument("--log-retention-s", type=float, default=None,
                    help="minimum age of a log entry to delete (default: config)")
-    s.set_defaults(fn=cmd_gc)
+    s.set_defaults(fn=cmd_vacuum)
 

@@ -5,7 +5,8 @@ names them; entry N is created with a create-only write (`storage.put_if_absent`
 local/NFS, `If-None-Match: *` on S3, generation match 0 on GCS), so exactly one of several
 concurrent committers gets each number and the log is a total order every process agrees on.
 
-    _log/00000000000000000042.json        entry 42: {"v", "txn", "time", "writer", "actions"}
+    _log/00000000000000000042.json        entry 42: {"sum", "format", "v", "txn", "time", "writer", "actions"}
+                                           (actions.py: the actions; logfiles.py: names and the seal)
     _log/00000000000000000050.ckpt.json   the state after entry 50 (every `checkpoint_interval`)
     _log/_last_checkpoint                  {"v": 50}: where opening starts (may lag; never ahead)
     _log/_tip                              {"v": 57}: where contending writers of a remote log start
@@ -17,6 +18,14 @@ N+1, N+2, ... until one is missing: no listing of the whole log.
 
 Entries only ever appear in order: a committer creates N+1 only after seeing N exist. So the log is
 always a contiguous run of numbers, which is what lets readers stop at the first missing one.
+
+Every entry and checkpoint starts with `"sum"`, a checksum of the rest of its bytes, so a file
+changed after it was written is detected on reading (files written before it existed have none and
+are read as they are). An entry that cannot be used (torn by a machine crash, changed, copied under
+another number, missing a field) still takes its number: it counts as an empty commit, recorded as
+a quarantine that verify reports. A checkpoint that cannot be used is replayed from the entries,
+or is a `CorruptLog` error once vacuum has deleted them. A newer format or action is an
+`UnsupportedLogFormat` error: skipping a newer writer's commits would silently lose them.
 """
 
 from __future__ import annotations
@@ -27,19 +36,21 @@ import random
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable
+from typing import Callable, Sequence
 
 from fsspec.implementations.memory import MemoryFileSystem
 
 from ..storage import is_local, join, list_names, put_atomic, put_if_absent, read_bytes
+from .actions import ACTION_TYPES, Action, AddShard, LogEntry, MalformedEntry, Quarantine, UnknownAction
+from .logfiles import (LOG_DIR, LOG_FORMAT, POINTER, TIP, CorruptLog, UnsupportedLogFormat, check_format,
+                       checkpoint_name, entry_name, is_int, seal, unseal, unusable)
 from .state import BufferState
 
 log = logging.getLogger(__name__)
 
-LOG_DIR = "_log"
-POINTER = "_last_checkpoint"
-TIP = "_tip"
-LOG_FORMAT = 1
+__all__ = ["CommitLog", "CommitConflict", "CorruptLog", "UnsupportedLogFormat", "shards_still_live", "LOG_DIR",
+           "LOG_FORMAT", "POINTER", "TIP", "checkpoint_name", "entry_name", "seal", "unseal"]
+
 _REMOTE_PROBE = 8  # most entries read in parallel when catching up on remote storage
 _CONTENDED_APPENDS = 16  # appends that use and update the tip hint after the last lost race
 _BACKOFF_MAX = 8  # after a lost race on remote storage, wait up to this many round trips (times misses)
@@ -50,12 +61,15 @@ class CommitConflict(RuntimeError):
     """A commit whose precondition no longer holds after another process committed first."""
 
 
-def entry_name(version: int) -> str:
-    return f"{version:020d}.json"
+def shards_still_live(paths: Sequence[str], what: str = "shards") -> Callable[[BufferState], None]:
+    """Commit precondition: every shard about to be removed is still live."""
 
+    def check(st: BufferState) -> None:
+        gone = [p for p in paths if p not in st.shards]
+        if gone:
+            raise CommitConflict(f"{what} already removed by another process: {gone[:3]}")
 
-def checkpoint_name(version: int) -> str:
-    return f"{version:020d}.ckpt.json"
+    return check
 
 
 class CommitLog:
@@ -65,7 +79,7 @@ class CommitLog:
                  tombstone_retention_s: float = 3600.0, fsync: bool = True):
         self.fs = fs
         self.fsync = fsync
-        # gc needs a removed file's removal time only until the grace period has passed: after
+        # vacuum needs a removed file's removal time only until the grace period has passed: after
         # that its modification time (never later than its removal) is just as safe to go by
         self.tombstone_retention_s = tombstone_retention_s
         self.root = root
@@ -74,6 +88,7 @@ class CommitLog:
         self.writer = writer
         self.state = BufferState()
         self.files_read = 0  # entries + checkpoints read; opening cost is visible in tests/bench
+        self.pointer_check_interval_s = 5.0  # how often a reader that sees no new entry checks retention
         self._last_pointer_check = 0.0
         self._opened = False
         self._tip = 0  # highest version this process knows to exist (its own blind appends included)
@@ -82,90 +97,141 @@ class CommitLog:
         self._contended = 0  # appends left to start from the hint (and to update it) after a lost race
 
     # reading ----------------------------------------------------------------------------------
+    @property
+    def is_open(self) -> bool:
+        """Whether the state was loaded (`open`, or the first `refresh`)."""
+        return self._opened
+
     def open(self) -> None:
         """Load the latest checkpoint (if any) and the entries after it."""
-        ptr = self._read_pointer()
+        ptr = self.last_checkpoint()
         if ptr:
             self._load_checkpoint(ptr)
         self._opened = True
         self.refresh()
+        if self.state.version < ptr:  # the checkpoint was unusable and its entries are gone, unless a
+            newer = self.last_checkpoint()  # vacuum replaced both meanwhile: then the pointer names a newer one
+            if newer <= ptr or not self._load_checkpoint(newer):
+                raise self._history_lost(ptr)
+            self.refresh()
 
-    def _read_pointer(self) -> int:
+    def read_pointer_file(self) -> int | None:
+        """The version `_last_checkpoint` names: 0 when there is none, None when it is unreadable."""
         try:
-            return int(json.loads(read_bytes(self.fs, join(self.dir, POINTER)))["v"])
+            raw = read_bytes(self.fs, join(self.dir, POINTER))
         except FileNotFoundError:
             return 0
+        try:
+            v = json.loads(raw)["v"]
+        except (ValueError, KeyError, TypeError):
+            return None
+        return v if is_int(v) and v >= 0 else None
+
+    def last_checkpoint(self) -> int:
+        """Where opening starts: the version `_last_checkpoint` names (0: none), or the newest
+        checkpoint listed when the pointer is unreadable."""
+        v = self.read_pointer_file()
+        if v is None:  # torn by a machine crash without fsync: a lost hint, the listing has the rest
+            v = max(self.checkpoint_versions(), default=0)
+            log.error("buffer log %s/%s: unreadable; starting from the newest checkpoint, %d", self.dir, POINTER, v)
+        return v
+
+    def read_checkpoint(self, version: int) -> BufferState:
+        """The state checkpoint `version` holds. Raises FileNotFoundError, CorruptLog (torn,
+        changed, misplaced or malformed) or UnsupportedLogFormat."""
+        path = join(self.dir, checkpoint_name(version))
+        raw = read_bytes(self.fs, path)
+        self.files_read += 1
+        try:
+            doc = unseal(raw)
+            check_format(doc, path)
+            state = BufferState.from_json(doc["state"])
+        except (ValueError, KeyError, TypeError, AttributeError, IndexError) as e:
+            raise CorruptLog(f"buffer log {path}: {unusable('checkpoint', e)}") from None
+        if not (is_int(doc.get("v")) and is_int(state.version) and doc["v"] == state.version == version):
+            raise CorruptLog(f"buffer log {path}: misplaced checkpoint (it holds the state at version "
+                             f"{str(state.version)[:40]}, copied or moved here)")
+        return state
 
     def _load_checkpoint(self, version: int) -> bool:
         try:
-            raw = read_bytes(self.fs, join(self.dir, checkpoint_name(version)))
+            self.state = self.read_checkpoint(version)
+            return True
         except FileNotFoundError:
             log.warning("buffer log %s: checkpoint %d named by %s is missing; replaying entries",
                         self.dir, version, POINTER)
-            return False
-        self.files_read += 1
-        doc = json.loads(raw)
-        self._check_format(doc, checkpoint_name(version))
-        self.state = BufferState.from_json(doc["state"])
-        return True
+        except CorruptLog as e:
+            log.error("%s; replaying entries instead", e)
+        return False
 
-    def _check_format(self, doc: dict, name: str) -> None:
-        fmt = int(doc.get("format", 1))
-        if fmt > LOG_FORMAT:
-            raise RuntimeError(
-                f"buffer log {join(self.dir, name)}: log format v{fmt}, this installation reads up to "
-                f"v{LOG_FORMAT}; upgrade rlhf-pipeline to read this buffer"
-            )
+    def _history_lost(self, ptr: int) -> CorruptLog:
+        return CorruptLog(
+            f"buffer log {join(self.dir, checkpoint_name(ptr))} (named by {POINTER}): missing or unusable, "
+            f"and entry {self.state.version + 1} before it is gone (deleted by vacuum), so the state past "
+            f"version {self.state.version} cannot be rebuilt; restore the checkpoint from a backup"
+        )
 
-    def _read_entry(self, version: int) -> dict | None:
+    def read_entry(self, version: int) -> LogEntry | None:
+        """Entry `version`, or None when there is none. An unusable entry reads as a quarantine of
+        itself; a newer format or action raises UnsupportedLogFormat."""
+        name = entry_name(version)
+        path = join(self.dir, name)
         try:
-            raw = read_bytes(self.fs, join(self.dir, entry_name(version)))
+            raw = read_bytes(self.fs, path)
         except FileNotFoundError:
             return None
         self.files_read += 1
         try:
-            doc = json.loads(raw)
+            doc = unseal(raw)
+            check_format(doc, path)
+            if not is_int(doc.get("v")) or doc["v"] != version:
+                raise ValueError(f"misplaced: it is entry {str(doc.get('v'))[:40]}, copied or moved here")
+            try:
+                return LogEntry.from_json(doc)
+            except MalformedEntry as e:
+                raise ValueError(f"malformed: {e}") from None
+        except UnknownAction as e:
+            raise UnsupportedLogFormat(f"buffer log {path}: unknown action {e.op!r}, written by a newer "
+                                       "rlhf-pipeline; upgrade rlhf-pipeline to read this buffer") from None
         except ValueError as e:
             # Only a machine crash without fsync can leave a torn entry (a complete file is linked
-            # into place, never written in place). Its number is taken for good, so it counts as an
-            # empty commit; the shards it named become orphans. Recorded, and reported by verify.
-            reason = f"torn commit-log entry ({e}); its shards are lost"
-            log.error("buffer log %s/%s: %s", self.dir, entry_name(version), reason)
-            return {"v": version, "actions": [{"op": "quarantine", "path": f"{LOG_DIR}/{entry_name(version)}",
-                                              "reason": reason}]}
-        self._check_format(doc, entry_name(version))
-        return doc
+            # into place, never written in place); the other kinds are damage or a writer's bug. Its
+            # number is taken for good, so it counts as an empty commit; the shards it named become
+            # orphans. Every reader skips it the same way: recorded, and reported by verify.
+            reason = f"{unusable('commit-log entry', e)}; its actions are lost"
+            log.error("buffer log %s/%s: %s", self.dir, name, reason)
+            return LogEntry(version, 0.0, (Quarantine(f"{LOG_DIR}/{name}", reason),))
 
-    def refresh(self) -> list[tuple[int, dict]]:
+    def refresh(self) -> list[LogEntry]:
         """Apply every entry committed after the state's version; returns them in order."""
         if not self._opened:
             self.open()
             return []
         applied = self._probe(self.state.version + 1)
-        for v, doc in applied:
-            self.state.apply(v, doc)
+        for entry in applied:
+            self.state.apply(entry)
         if not applied:
             self._catch_up_after_retention()
         return applied
 
-    def _probe(self, start: int) -> list[tuple[int, dict]]:
+    def _probe(self, start: int) -> list[LogEntry]:
         """Entries start, start+1, ... up to the first missing one. Local storage reads them one
         by one. Remote storage reads the first two one by one, so an idle poll costs one request
         and a single new entry two, then reads 2, 4, ... up to _REMOTE_PROBE at once: catching up
         on many entries takes few round trips, and reading past the end of the log wastes at most
         half of the last batch."""
-        out: list[tuple[int, dict]] = []
+        out: list[LogEntry] = []
         v, width = start, 1
         while True:
             if width == 1:
-                docs = [self._read_entry(v)]
+                entries = [self.read_entry(v)]
             else:
                 with ThreadPoolExecutor(width) as ex:
-                    docs = list(ex.map(self._read_entry, range(v, v + width)))
-            for d in docs:
-                if d is None:
+                    entries = list(ex.map(self.read_entry, range(v, v + width)))
+            for e in entries:
+                if e is None:
                     return out
-                out.append((v, d))
+                out.append(e)
                 v += 1
             if self._remote and len(out) >= 2:
                 width = min(2 * width, _REMOTE_PROBE)
@@ -174,44 +240,50 @@ class CommitLog:
         """A process far behind may find its next entry deleted by log retention: the pointer then
         names a checkpoint past it. Checked at most every few seconds (one small read)."""
         now = time.monotonic()
-        if now - self._last_pointer_check < 5.0:
+        if now - self._last_pointer_check < self.pointer_check_interval_s:
             return
         self._last_pointer_check = now
-        ptr = self._read_pointer()
-        if ptr > self.state.version + 1 and self._read_entry(self.state.version + 1) is None:
+        ptr = self.last_checkpoint()
+        if ptr > self.state.version + 1 and self.read_entry(self.state.version + 1) is None:
             log.warning("buffer log %s: entries after %d were removed by retention; reloading checkpoint %d",
                         self.dir, self.state.version, ptr)
-            if self._load_checkpoint(ptr):
-                self.refresh()
+            if not self._load_checkpoint(ptr):
+                raise self._history_lost(ptr)
+            self.refresh()
 
     # writing ----------------------------------------------------------------------------------
-    def commit(self, actions: list[dict], precondition: Callable[[BufferState], None] | None = None) -> int:
-        """Append one entry holding `actions`; returns its version.
+    def commit(self, actions: Sequence[Action], precondition: Callable[[BufferState], None] | None = None,
+               writer: str | None = None) -> int:
+        """Append one entry holding `actions`; returns its version. `writer` (default: the log's)
+        is recorded in the entry.
 
         On a lost race the state is refreshed and `precondition` (which raises CommitConflict when
         the actions no longer make sense, e.g. removing a shard another compactor removed) is
         re-checked before trying the next number.
         """
+        actions = tuple(actions)
+        bad = [a for a in actions if not isinstance(a, ACTION_TYPES)]
+        if bad:
+            raise TypeError(f"commit: {bad[0]!r} is not a log action; build one from pipeline.buffer.actions")
         if not self._opened:
             self.open()
-        if precondition is None and all(a["op"] == "add" for a in actions):
-            return self._append(actions)
+        writer = self.writer if writer is None else writer
+        if precondition is None and all(isinstance(a, AddShard) for a in actions):
+            return self._append(actions, writer)
         txn = uuid.uuid4().hex
         while True:
             if precondition is not None:
                 precondition(self.state)
-            v = self.state.version + 1
-            doc = {"format": LOG_FORMAT, "v": v, "txn": txn, "time": time.time(), "writer": self.writer,
-                   "actions": actions}
-            if put_if_absent(self.fs, join(self.dir, entry_name(v)), json.dumps(doc).encode(), self.fsync):
-                self.state.apply(v, doc)
-                self._maybe_checkpoint(v)
-                return v
-            for got_v, got in self.refresh():
-                if got.get("txn") == txn:  # our PUT landed but its answer was lost and retried
-                    return got_v
+            entry = LogEntry(self.state.version + 1, time.time(), actions, txn, writer)
+            if put_if_absent(self.fs, join(self.dir, entry_name(entry.version)), seal(entry.to_json()), self.fsync):
+                self.state.apply(entry)
+                self._maybe_checkpoint(entry.version)
+                return entry.version
+            for got in self.refresh():
+                if got.txn == txn:  # our PUT landed but its answer was lost and retried
+                    return got.version
 
-    def _append(self, actions: list[dict]) -> int:
+    def _append(self, actions: tuple[Action, ...], writer: str) -> int:
         """Commit add-only actions without reading what others committed in between.
 
         Adds need no precondition, so after a lost race the next number is tried directly (one
@@ -234,10 +306,9 @@ class CommitLog:
             v = max(v, self._read_tip() + 1)
         misses = 0
         while True:
-            doc = {"format": LOG_FORMAT, "v": v, "txn": uuid.uuid4().hex, "time": time.time(),
-                   "writer": self.writer, "actions": actions}
+            entry = LogEntry(v, time.time(), actions, uuid.uuid4().hex, writer)
             t0 = time.monotonic()
-            if put_if_absent(self.fs, join(self.dir, entry_name(v)), json.dumps(doc).encode(), self.fsync):
+            if put_if_absent(self.fs, join(self.dir, entry_name(v)), seal(entry.to_json()), self.fsync):
                 break
             misses += 1
             if self._remote:  # the losers of a number would all race for the next one: spread them
@@ -253,7 +324,7 @@ class CommitLog:
             self._contended = _CONTENDED_APPENDS if misses else self._contended - 1
             put_atomic(self.fs, join(self.dir, TIP), json.dumps({"v": v}).encode(), fsync=False)
         if v == self.state.version + 1:
-            self.state.apply(v, doc)
+            self.state.apply(entry)
         if self.checkpoint_interval and v % self.checkpoint_interval == 0:
             self._catch_up()
             self.write_checkpoint()
@@ -264,7 +335,7 @@ class CommitLog:
         or newest checkpoint (two small reads: losing races to many contending writers is not
         being far behind, and reading their entries would not help), else the refreshed state."""
         if self._remote:
-            return max(self._read_tip(), self._read_pointer())
+            return max(self._read_tip(), self.last_checkpoint())
         self.refresh()
         return self.state.version
 
@@ -278,7 +349,7 @@ class CommitLog:
         """Refresh; a state more than a checkpoint behind starts from the newest checkpoint rather
         than reading every entry since (an appending writer's state lags: it reads no entries)."""
         if self.checkpoint_interval and self.state.version + self.checkpoint_interval < max(self._tip, 1):
-            ptr = self._read_pointer()
+            ptr = self.last_checkpoint()
             if ptr > self.state.version:
                 self._load_checkpoint(ptr)
         self.refresh()
@@ -292,14 +363,14 @@ class CommitLog:
         v = self.state.version
         doc = {"format": LOG_FORMAT, "v": v, "time": time.time(),
                "state": self.state.to_json(self.tombstone_retention_s)}
-        put_if_absent(self.fs, join(self.dir, checkpoint_name(v)), json.dumps(doc).encode(), self.fsync)
-        if self._read_pointer() < v:  # a racing older pointer is harmless: opening just reads more
+        put_if_absent(self.fs, join(self.dir, checkpoint_name(v)), seal(doc), self.fsync)
+        if self.last_checkpoint() < v:  # a racing older pointer is harmless: opening just reads more
             put_atomic(self.fs, join(self.dir, POINTER), json.dumps({"v": v}).encode(), fsync=self.fsync)
         return v
 
     # maintenance ------------------------------------------------------------------------------
     def entry_versions(self) -> list[int]:
-        """All entry numbers present (lists the folder: for verify and gc only)."""
+        """All entry numbers present (lists the folder: for verify and vacuum only)."""
         return sorted(int(n[:20]) for n in list_names(self.fs, self.dir)
                       if n.endswith(".json") and not n.endswith(".ckpt.json") and n[:20].isdigit())
 

@@ -7,7 +7,7 @@ duplicate. Dedup is per group, not per row: identical completions inside one gro
 samples of the policy and carry the group's statistics.
 
 Sampling is proportional prioritized replay (Schaul et al. 2016): P(i) = p_i^α / Σ p_k^α over the
-groups still eligible (replayed fewer than `num_epochs_per_sample` times), without replacement in
+groups still eligible (replayed fewer than `max_replays_per_group` times), without replacement in
 one batch; the bias is corrected by importance weights w_i = (N·P(i))^-β / max_k w_k with β
 annealed linearly from `priority_beta0` to 1 over `priority_beta_steps` trainer steps.
 """

@@ -76,7 +76,7 @@ def write_shard(fs, root: str, rel: str, data: bytes, fsync: bool = False) -> No
     """Write an immutable data file under a new unique name.
 
     No temporary file and rename: nobody reads a data file before a log entry names it, and that
-    entry is written only after this returns, so a writer killed half-way leaves an orphan for gc,
+    entry is written only after this returns, so a writer killed half-way leaves an orphan for vacuum,
     never a visible partial shard. Without fsync a machine crash (not a killed process) can leave
     a committed shard torn on a local disk; readers then quarantine it. The log entry that commits
     it is always fsynced."""

@@ -4,15 +4,7 @@ The state is a pure function of the log: every process that has replayed the sam
 the same state, which is what makes cursors (L1 sequence numbers) and replay keys portable between
 processes and across restarts. Checkpoints are this state serialised at one version.
 
-Actions (one JSON object each, inside a numbered log entry):
-
-    {"op": "add", "path": "l1/w-..parquet", "tier": "l1", "rows": 64, "bytes": 9000,
-     "gsizes": [8, 8, ...], "pv": [min, max], "t": 1700000000.0,     # l3: "ngroups": N instead
-     "groups": [[key, row_start, row_count, group_hash, priority], ...]}   # l2 only
-    {"op": "remove", "path": ...}                       # compaction, eviction, exhausted replays
-    {"op": "prio", "keys": [...], "p": [...]}           # replayed once more, new priority
-    {"op": "consumed", "consumer": "trainer", "cursor": {...}}
-    {"op": "quarantine", "path": ..., "reason": ...}
+Actions and their JSON are defined in actions.py; `BufferState.apply` replays one parsed entry.
 """
 
 from __future__ import annotations
@@ -21,7 +13,9 @@ import bisect
 import time
 from dataclasses import dataclass, field
 
-TIERS = ("l1", "l2", "l3")
+from .actions import TIERS, AddShard, LogEntry, MarkConsumed, Quarantine, RecordReplays, RemoveShard
+
+__all__ = ["TIERS", "BufferState", "ReplayGroup", "ShardInfo"]
 
 
 @dataclass
@@ -84,38 +78,33 @@ class BufferState:
     tombstones: dict[str, float] = field(default_factory=dict)  # removed path -> time removed
 
     # ------------------------------------------------------------------------------------------
-    def apply(self, version: int, entry: dict) -> None:
-        if version != self.version + 1:
-            raise RuntimeError(f"commit log: applying version {version} on state at {self.version}")
-        t = float(entry.get("time", time.time()))
-        for a in entry["actions"]:
-            op = a["op"]
-            if op == "add":
-                self._add(a, version)
-            elif op == "remove":
-                self._remove(a["path"], t)
-            elif op == "prio":
-                for k, p in zip(a["keys"], a["p"]):
-                    g = self.l2_groups.get(k)
-                    if g is not None:
-                        g.priority = float(p)
-                        g.replays += 1
-                        self.replays_done += 1
-            elif op == "consumed":
-                self.consumed[a["consumer"]] = {**a["cursor"], "groups": int(a.get("groups", 0))}
-            elif op == "quarantine":
-                self.quarantined[a["path"]] = a["reason"]
-                self._remove(a["path"], t, tombstone=False)
+    def apply(self, entry: LogEntry) -> None:
+        """Replay the next entry of the log (its version must follow the state's)."""
+        if entry.version != self.version + 1:
+            raise RuntimeError(f"commit log: applying version {entry.version} on state at {self.version}")
+        for a in entry.actions:
+            if isinstance(a, AddShard):
+                self._add(a, entry.version)
+            elif isinstance(a, RemoveShard):
+                self._remove(a.path, entry.time)
+            elif isinstance(a, RecordReplays):
+                self._replayed(a)
+            elif isinstance(a, MarkConsumed):
+                self.consumed[a.consumer] = {**a.cursor, "groups": a.groups}
+            elif isinstance(a, Quarantine):
+                self.quarantined[a.path] = a.reason
+                self._remove(a.path, entry.time, tombstone=False)
             else:
-                raise ValueError(f"commit log version {version}: unknown action {op!r}; "
-                                 "this buffer was written by a newer rlhf-pipeline, upgrade to read it")
-        self.version = version
+                raise TypeError(f"commit log version {entry.version}: {a!r} is not a log action")
+        self.version = entry.version
 
-    def _add(self, a: dict, version: int) -> None:
-        info = ShardInfo(a["path"], a["tier"], a["rows"], a["bytes"], list(a.get("gsizes", [])),
-                         tuple(a["pv"]), a["t"], version, ngroups=int(a.get("ngroups", -1)))
-        if info.path in self.shards:
+    def _add(self, a: AddShard, version: int) -> None:
+        if a.path in self.shards:
             return  # idempotent: a shard is added once
+        # archive files are never read group by group: their state keeps the count, not the sizes
+        sizes, count = ([], a.num_groups) if a.tier == "l3" else (list(a.group_sizes), -1)
+        info = ShardInfo(a.path, a.tier, a.rows, a.bytes, sizes, a.policy_versions, a.committed_at, version,
+                         ngroups=count)
         if info.tier == "l1":
             info.seq = self.next_seq
             info.g0 = self.l1_groups_added
@@ -124,9 +113,17 @@ class BufferState:
             self.l1_by_seq[info.seq] = info.path
             self.l1_groups_added += info.groups
         elif info.tier == "l2":
-            for key, start, count, ghash, prio in a.get("groups", []):
-                self._add_group(key, ReplayGroup(info.path, start, count, ghash, float(prio)))
+            for g in a.promoted_groups:
+                self._add_group(g.key, ReplayGroup(info.path, g.row_start, g.row_count, g.group_hash, g.priority))
         self.shards[info.path] = info
+
+    def _replayed(self, a: RecordReplays) -> None:
+        for k, p in zip(a.keys, a.priorities):
+            g = self.l2_groups.get(k)
+            if g is not None:
+                g.priority = float(p)
+                g.replays += 1
+                self.replays_done += 1
 
     def _remove(self, path: str, t: float, tombstone: bool = True) -> None:
         info = self.shards.pop(path, None)

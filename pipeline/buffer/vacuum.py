@@ -1,4 +1,4 @@
-"""Garbage collection and verification of a buffer directory.
+"""Vacuum (garbage collection) and verification of a buffer directory.
 
 Files on storage fall into three kinds: live (named by the state), quarantined (kept for
 inspection) and everything else — shards of writers killed before their commit, inputs of
@@ -14,9 +14,10 @@ import time
 from typing import TYPE_CHECKING
 
 from ..storage import delete, join, list_files
-from .log import LOG_DIR, POINTER, checkpoint_name, entry_name
+from .log import LOG_DIR, POINTER, CorruptLog, UnsupportedLogFormat, checkpoint_name, entry_name
 from .schema import SchemaError
 from .shards import CorruptShard, group_layout, read_shard
+from .state import BufferState
 
 if TYPE_CHECKING:
     from .buffer import ReplayBuffer
@@ -47,7 +48,12 @@ def vacuum(buf: "ReplayBuffer", grace_s: float | None = None, log_retention_s: f
             delete(buf.fs, join(buf.root, rel))
             out["orphans_deleted"] += 1
             out["bytes_freed"] += f.size
-    ptr = buf.log._read_pointer()
+    ptr = buf.log.last_checkpoint()
+    try:  # entries are deleted only below a checkpoint that can stand in for them
+        if ptr:
+            buf.log.read_checkpoint(ptr)
+    except (FileNotFoundError, CorruptLog, UnsupportedLogFormat):
+        ptr = 0
     ckpts = buf.log.checkpoint_versions()
     for f in list_files(buf.fs, join(buf.root, LOG_DIR), include_hidden=True):
         name = f.rel
@@ -84,10 +90,15 @@ def verify(buf: "ReplayBuffer") -> dict:
             problems.append(f"{buf.log.dir}: commit log has gaps at versions {missing[:10]}")
         if versions[-1] != st.version:
             problems.append(f"{buf.log.dir}: last entry {versions[-1]} but the replayed state is at {st.version}")
-    ptr = buf.log._read_pointer()
-    if ptr and ptr > st.version:
+    ptr = buf.log.read_pointer_file()
+    if ptr is None:
+        problems.append(f"{buf.log.dir}/{POINTER}: unreadable; it should hold {{\"v\": <newest checkpoint>}}")
+    elif ptr > st.version:
         problems.append(f"{buf.log.dir}/{POINTER}: names checkpoint {ptr}, past the last entry {st.version}")
-    problems += [f"{join(buf.root, p)}: {why}" for p, why in st.quarantined.items() if p.startswith(LOG_DIR)]
+    ckpt_problems, replayed = _check_checkpoints(buf, versions)
+    problems += ckpt_problems
+    bad_entries = {p: why for s in (replayed, st) for p, why in s.quarantined.items() if p.startswith(LOG_DIR)}
+    problems += [f"{join(buf.root, p)}: {why}" for p, why in bad_entries.items()]
     checked = 0
     for info in list(st.shards.values()):
         path = join(buf.root, info.path)
@@ -113,3 +124,41 @@ def verify(buf: "ReplayBuffer") -> dict:
                        if f"{d}/{f.rel}" not in st.shards and f"{d}/{f.rel}" not in st.quarantined)
     return {"ok": not problems, "problems": problems, "checked_shards": checked, "version": st.version,
             "quarantined": dict(st.quarantined), "unreferenced_files": orphans}
+
+
+def _check_checkpoints(buf: "ReplayBuffer", versions: list[int]) -> tuple[list[str], BufferState]:
+    """Every checkpoint must be usable and hold the state that the entries before it give, where
+    vacuum has kept them: the retained log is replayed from its first entry (or from its oldest usable
+    checkpoint once vacuum deleted the first entries). Returns the problems and the replayed state."""
+    log, present = buf.log, set(versions)
+    problems: list[str] = []
+    replayed = BufferState()
+    replaying = 1 in present  # a replayed state to compare checkpoints with: from the log's start
+    for c in log.checkpoint_versions():
+        try:
+            ckpt = log.read_checkpoint(c)
+        except FileNotFoundError:  # deleted by a concurrent vacuum
+            continue
+        except (CorruptLog, UnsupportedLogFormat) as e:
+            problems.append(str(e))
+            continue
+        try:
+            while replaying and replayed.version < c and replayed.version + 1 in present:
+                entry = log.read_entry(replayed.version + 1)
+                if entry is None:  # deleted by a concurrent vacuum
+                    break
+                replayed.apply(entry)
+        except UnsupportedLogFormat as e:
+            problems.append(str(e))
+        if not replaying or replayed.version != c:  # entries missing: go on from the checkpoint
+            replayed, replaying = ckpt, True
+            continue
+        a, b = replayed.to_json(), ckpt.to_json()
+        ta, tb = a.pop("tombstones"), b.pop("tombstones")  # a checkpoint drops tombstones past retention
+        differ = [k for k in a if a[k] != b[k]]
+        if any(ta.get(p) != t for p, t in tb.items()):
+            differ.append("tombstones")
+        if differ:
+            problems.append(f"{join(log.dir, checkpoint_name(c))}: checkpoint differs from the state its entries "
+                            f"give (in {', '.join(differ)}); delete it so readers replay the entries instead")
+    return problems, replayed

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 
 import pyarrow as pa
 
+from .actions import AddShard
 from .shards import conform, encode, group_layout, new_shard_path, policy_range, validate_writer_id, write_shard
 
 if TYPE_CHECKING:
@@ -95,15 +96,14 @@ class ShardWriter:
             finally:
                 self._tables.task_done()
 
-    def _prepare(self, table: pa.Table) -> dict:
+    def _prepare(self, table: pa.Table) -> AddShard:
         """Encode and write the data file; returns the log action that will commit it."""
         table, gsizes = group_layout(table)
         data = encode(table, self.compression)
         rel = new_shard_path("l1", self.writer_id)
         buf = self.buffer
         write_shard(buf.fs, buf.root, rel, data, fsync=buf.config.fsync)
-        return {"op": "add", "path": rel, "tier": "l1", "rows": table.num_rows, "bytes": len(data),
-                "gsizes": gsizes, "pv": list(policy_range(table)), "t": time.time()}
+        return AddShard(rel, "l1", table.num_rows, len(data), tuple(gsizes), policy_range(table), time.time())
 
     def _commit_loop(self) -> None:
         stop = False
@@ -119,10 +119,9 @@ class ShardWriter:
             try:
                 if actions and self._error is None:
                     t0 = time.perf_counter()
-                    with self.buffer._lock:
-                        self.buffer._log_for_write(self.writer_id).commit(actions)
+                    self.buffer.commit(actions, writer=self.writer_id)
                     self.commits.append(time.perf_counter() - t0)
-                    self.rows_written += sum(a["rows"] for a in actions)
+                    self.rows_written += sum(a.rows for a in actions)
             except BaseException as e:
                 self._error = e
             finally:

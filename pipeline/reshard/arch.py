@@ -1,15 +1,33 @@
-"""Model architectures the resharder understands, their parameter shapes and the TP split rules.
+"""What the resharder knows of a model: the checks it applies, tied embeddings and the TP split rules.
 
-Qwen2 and Llama share parameter names; Qwen2 adds biases on q/k/v. The split rules are the
-Megatron/vLLM ones:
+Any Hugging Face causal LM reshards between `hf` and `dcp:N`: those layouts hold every tensor under
+its own name, whatever the architecture, so tensors are copied as they are. For the families whose
+layout is known (`FAMILIES`: Qwen2/2.5, Qwen3, Llama, Mistral, Gemma 1-3, Phi-3) the source is also
+checked against its config.json first: every layer present, lm_head present unless the embeddings
+are tied, and each recognised tensor of the shape the config implies.
 
-- column-parallel (split on the output dimension, dim 0): q_proj, k_proj, v_proj, gate_proj,
-  up_proj (weights and biases);
-- row-parallel (split on the input dimension, dim 1): o_proj, down_proj;
+Tied embeddings (`tie_word_embeddings`): the output layer is the input embedding. The sampler
+layouts (`hf`, `tp:N`) hold it once, as `model.embed_tokens.weight`, as `save_pretrained` writes
+it; the trainer layout (`dcp:N`) holds it under both names, as the trainer's state dict does (a
+trainer resumes by those names). A source that holds both must hold the same matrix twice.
+
+`tp:N` splits each tensor by the role of its module (the Megatron/vLLM rules), decided from the
+module's name:
+
+- column-parallel, output dim (dim 0), weights and biases: q_proj, k_proj, v_proj, gate_proj, up_proj;
+- fused column-parallel: qkv_proj (Phi-3) is the blocks [q | k | v] of heads*head_dim,
+  kv_heads*head_dim, kv_heads*head_dim rows and gate_up_proj the halves [gate | up]; each block is
+  split by its own rule and a rank holds its slice of every block, concatenated in block order;
+- row-parallel, input dim (dim 1): o_proj, down_proj weights (their biases, if any, are replicated:
+  the sum over ranks adds them once);
 - vocabulary-parallel (dim 0): embed_tokens, lm_head; contiguous ranges of ceil(V/N) rows;
-- replicated: every norm;
-- k_proj/v_proj when there are fewer KV heads than ranks: rank r holds KV head r // (N / KV),
-  so each head is replicated N / KV times (vLLM's rule).
+- replicated: every norm (model.norm, input/post_attention layernorms, Gemma's
+  pre/post_feedforward layernorms, Qwen3's and Gemma 3's per-head q_norm/k_norm);
+- k/v projections (and the k/v blocks of qkv_proj) when there are fewer KV heads than ranks: rank r
+  holds KV head r // (N / KV), so each head is replicated N / KV times (vLLM's rule).
+
+Any other tensor in tp mode (experts, vision towers, biases of unknown shape) is refused, naming the
+tensor and the architecture.
 """
 
 from __future__ import annotations
@@ -18,121 +36,196 @@ import math
 import re
 from dataclasses import dataclass
 
-from .layout import ReshardError, TensorSpec
+from .layout import ReshardError, TensorSpec, ordered
 
-ARCHITECTURES = {"Qwen2ForCausalLM": "qwen2", "LlamaForCausalLM": "llama"}
+# model_type -> the families whose tensor layout (names and shapes) is checked against config.json
+FAMILIES = {"qwen2": "Qwen2", "qwen3": "Qwen3", "llama": "Llama", "mistral": "Mistral", "gemma": "Gemma",
+            "gemma2": "Gemma2", "gemma3_text": "Gemma3", "phi3": "Phi3"}
 
+EMBED = "model.embed_tokens.weight"
+LM_HEAD = "lm_head.weight"
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
-COLUMN = {"self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj"}
-ROW = {"self_attn.o_proj", "mlp.down_proj"}
-KV = {"self_attn.k_proj", "self_attn.v_proj"}
-NORMS = {"input_layernorm", "post_attention_layernorm"}
+_LINEAR = re.compile(r"^(self_attn|mlp)\.([a-z_]+)\.(weight|bias)$")
+_NORM = re.compile(r"^(?:model\.norm|model\.layers\.\d+\.(?:[a-z_]*layernorm|self_attn\.[qk]_norm))\.weight$")
+COLUMN = {"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"}
+FUSED = {"qkv_proj", "gate_up_proj"}
+ROW = {"o_proj", "down_proj"}
+KV = {"k_proj", "v_proj"}
 
 
 @dataclass(frozen=True)
 class Piece:
-    """Which slice of the full tensor one TP rank holds: rows/cols [start, stop) of `dim`, or the
-    whole tensor when dim is None."""
+    """Which slice of the full tensor one TP rank holds: the [start, stop) runs `segments` of `dim`,
+    concatenated in that order (one run except for fused tensors), or the whole tensor when dim is None."""
 
     dim: int | None
-    start: int = 0
-    stop: int = 0
+    segments: tuple[tuple[int, int], ...] = ()
+
+    @property
+    def size(self) -> int:
+        return sum(stop - start for start, stop in self.segments)
 
     def byte_ranges(self, spec: TensorSpec) -> list[tuple[int, int]]:
         """Where this slice lies in the bytes of the full (row-major) tensor: [begin, end) runs, in
-        order. One run for a split on dim 0 or a whole tensor; one per leading index otherwise."""
+        the order the slice holds them. One run for a whole tensor or one dim-0 segment."""
         if self.dim is None:
             return [(0, spec.nbytes)]
         outer = math.prod(spec.shape[: self.dim])
         inner = spec.dtype.itemsize * math.prod(spec.shape[self.dim + 1 :])
         row = spec.shape[self.dim] * inner
-        return [(i * row + self.start * inner, i * row + self.stop * inner) for i in range(outer)]
+        return [(i * row + start * inner, i * row + stop * inner) for i in range(outer) for start, stop in self.segments]
+
+
+REPLICATED = Piece(None)
+
+
+def _int(config: dict, key: str) -> int | None:
+    value = config.get(key)
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
 
 
 @dataclass(frozen=True)
 class Architecture:
-    name: str
-    vocab: int
-    hidden: int
-    layers: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    intermediate: int
+    name: str                 # config.json `architectures[0]` (or its model_type)
+    model_type: str | None
+    vocab: int | None
+    hidden: int | None
+    layers: int | None
+    heads: int | None
+    kv_heads: int | None
+    head_dim: int | None
+    intermediate: int | None
     tied: bool
     attention_bias: bool
 
     @classmethod
     def from_config(cls, config: dict, where: str) -> "Architecture":
+        """Never refuses a config: fields it lacks are None, and only the checks that need them do."""
+        text = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
+        num = {k: _int(config, k) or _int(text, k) for k in (
+            "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+            "head_dim", "intermediate_size")}
         archs = config.get("architectures") or []
-        known = [a for a in archs if a in ARCHITECTURES]
-        if not archs:  # configs saved without `architectures` still name their model type
-            known = [a for a, t in ARCHITECTURES.items() if t == config.get("model_type")]
-        if not known:
-            raise ReshardError(
-                f"{where}/config.json: unknown architecture {archs or config.get('model_type')!r}; "
-                f"supported: {', '.join(ARCHITECTURES)}"
-            )
-        name = known[0]
-        try:
-            hidden = int(config["hidden_size"])
-            heads = int(config["num_attention_heads"])
-            kv = int(config.get("num_key_value_heads") or heads)
-            head_dim = int(config.get("head_dim") or hidden // heads)
-            bias = bool(config.get("attention_bias", ARCHITECTURES[name] == "qwen2"))
-            return cls(
-                name=name, vocab=int(config["vocab_size"]), hidden=hidden, layers=int(config["num_hidden_layers"]),
-                heads=heads, kv_heads=kv, head_dim=head_dim, intermediate=int(config["intermediate_size"]),
-                tied=bool(config.get("tie_word_embeddings", False)), attention_bias=bias,
-            )
-        except (KeyError, TypeError, ValueError) as e:
-            raise ReshardError(f"{where}/config.json: missing or invalid field {e}; it must be a {name} config") from None
+        model_type = config.get("model_type") or text.get("model_type")
+        heads, hidden = num["num_attention_heads"], num["hidden_size"]
+        head_dim = num["head_dim"] or (hidden // heads if hidden and heads and hidden % heads == 0 else None)
+        tied = config.get("tie_word_embeddings", text.get("tie_word_embeddings", False))
+        return cls(
+            name=str(archs[0]) if archs else str(model_type or "unknown"), model_type=model_type,
+            vocab=num["vocab_size"], hidden=hidden, layers=num["num_hidden_layers"], heads=heads,
+            kv_heads=num["num_key_value_heads"] or heads, head_dim=head_dim, intermediate=num["intermediate_size"],
+            tied=bool(tied), attention_bias=bool(config.get("attention_bias", model_type == "qwen2")),
+        )
+
+    @property
+    def known(self) -> bool:
+        """Whether this is a family whose tensor layout is checked against config.json."""
+        return self.model_type in FAMILIES
 
     # shapes ---------------------------------------------------------------------------------
+    def expected_shape(self, name: str) -> tuple[int, ...] | None:
+        """The shape config.json implies for tensor `name`; None when the name has no known role or
+        the config lacks a number it needs."""
+        h, v, hd, i = self.hidden, self.vocab, self.head_dim, self.intermediate
+        q = self.heads * hd if self.heads and hd else None
+        kv = self.kv_heads * hd if self.kv_heads and hd else None
+        if name in (EMBED, LM_HEAD):
+            shape = (v, h)
+        elif name == "model.norm.weight":
+            shape = (h,)
+        else:
+            m = _LAYER.match(name)
+            if not m:
+                return None
+            part = m.group(2)
+            if _NORM.match(name):
+                shape = (hd,) if part.startswith("self_attn.") else (h,)
+            elif lin := _LINEAR.match(part):
+                module, kind = lin.group(2), lin.group(3)
+                out_in = {
+                    "q_proj": (q, h), "k_proj": (kv, h), "v_proj": (kv, h), "o_proj": (h, q),
+                    "qkv_proj": (q + 2 * kv if q and kv else None, h), "gate_proj": (i, h), "up_proj": (i, h),
+                    "gate_up_proj": (2 * i if i else None, h), "down_proj": (h, i),
+                }.get(module)
+                if out_in is None:
+                    return None
+                shape = out_in if kind == "weight" else out_in[:1]
+            else:
+                return None
+        return None if any(d is None for d in shape) else tuple(shape)
+
     def expected_shapes(self) -> dict[str, tuple[int, ...]]:
-        h, q, kv, i = self.hidden, self.heads * self.head_dim, self.kv_heads * self.head_dim, self.intermediate
-        out: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (self.vocab, h), "model.norm.weight": (h,)}
+        """Every tensor of a Llama-layout model (Qwen2 adds q/k/v biases) of this config, by name."""
+        out = {n: self.expected_shape(n) for n in (EMBED, "model.norm.weight")}
         if not self.tied:
-            out["lm_head.weight"] = (self.vocab, h)
-        for n in range(self.layers):
+            out[LM_HEAD] = self.expected_shape(LM_HEAD)
+        for n in range(self.layers or 0):
             p = f"model.layers.{n}."
-            out.update({
-                p + "self_attn.q_proj.weight": (q, h), p + "self_attn.k_proj.weight": (kv, h),
-                p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, q),
-                p + "mlp.gate_proj.weight": (i, h), p + "mlp.up_proj.weight": (i, h),
-                p + "mlp.down_proj.weight": (h, i), p + "input_layernorm.weight": (h,),
-                p + "post_attention_layernorm.weight": (h,),
-            })
+            names = [f"self_attn.{m}.weight" for m in ("q_proj", "k_proj", "v_proj", "o_proj")]
+            names += [f"mlp.{m}.weight" for m in ("gate_proj", "up_proj", "down_proj")]
+            names += ["input_layernorm.weight", "post_attention_layernorm.weight"]
             if self.attention_bias:
-                out.update({p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
-                            p + "self_attn.v_proj.bias": (kv,)})
+                names += [f"self_attn.{m}.bias" for m in ("q_proj", "k_proj", "v_proj")]
+            out.update({p + x: self.expected_shape(p + x) for x in names})
         return out
 
     def check(self, specs: list[TensorSpec], where: str) -> None:
-        """Every expected parameter present with its expected shape; nothing unknown."""
-        expected = self.expected_shapes()
+        """For a known family: every layer present, lm_head unless tied, each recognised tensor of
+        the shape config.json implies. Tied embeddings held twice must agree in shape anyway."""
         have = {s.name: s for s in specs}
-        missing = sorted(set(expected) - set(have))
+        if self.tied and LM_HEAD in have and EMBED in have and have[LM_HEAD].shape != have[EMBED].shape:
+            raise ReshardError(
+                f"{where}: tie_word_embeddings is true but {LM_HEAD!r} has shape {list(have[LM_HEAD].shape)} and "
+                f"{EMBED!r} {list(have[EMBED].shape)}; the output layer must be the input embedding"
+            )
+        if not self.known:
+            return
+        missing = [EMBED] if EMBED not in have else []
+        if not self.tied and LM_HEAD not in have:
+            missing.append(LM_HEAD)
+        layers = {int(m.group(1)) for n in have if (m := _LAYER.match(n))}
+        missing += [f"model.layers.{n}.*" for n in range(self.layers or 0) if n not in layers]
         if missing:
             raise ReshardError(
                 f"{where}: {len(missing)} parameter(s) of the {self.name} config are missing, first "
                 f"{missing[0]!r}; the checkpoint is incomplete or does not match its config.json"
             )
         for name, spec in have.items():
-            if name == "lm_head.weight" and self.tied:
-                want = (self.vocab, self.hidden)
-            elif name not in expected:
-                raise ReshardError(f"{where}: unknown parameter {name!r} for {self.name}; it cannot be placed")
-            else:
-                want = expected[name]
-            if tuple(spec.shape) != want:
+            want = self.expected_shape(name)
+            if want is not None and tuple(spec.shape) != want:
                 raise ReshardError(
                     f"{where}: parameter {name!r} has shape {list(spec.shape)} but config.json implies "
                     f"{list(want)}; the weights do not match the config"
                 )
+            m = _LAYER.match(name)
+            if m and self.layers is not None and int(m.group(1)) >= self.layers:
+                raise ReshardError(f"{where}: parameter {name!r} is beyond num_hidden_layers={self.layers}; "
+                                   "the weights do not match the config")
+
+    # tied embeddings ------------------------------------------------------------------------
+    def output_names(self, names: list[str], kind: str) -> dict[str, str]:
+        """{output tensor name: source tensor name} of a layout of kind `kind` ("hf", "tp", "dcp"):
+        every source tensor under its own name, except the tied output layer (see the module
+        docstring): dropped from hf and tp:N, added to dcp:N as a second name of the embedding."""
+        out = {n: n for n in names}
+        if not self.tied or EMBED not in out:
+            return out
+        if kind == "dcp":
+            out.setdefault(LM_HEAD, EMBED)
+        else:
+            out.pop(LM_HEAD, None)
+        return out
 
     # tensor parallelism ---------------------------------------------------------------------
-    def check_tp(self, n: int) -> None:
+    def check_tp(self, n: int, specs: list[TensorSpec] = ()) -> None:
+        """Refuse a tensor without a rule, or a degree the config cannot be split by, before any output."""
+        for spec in ordered(specs):
+            if tp_role(spec.name) is None:
+                raise self._no_rule(spec.name)
+        for field, value in (("num_attention_heads", self.heads), ("num_key_value_heads", self.kv_heads),
+                             ("head_dim", self.head_dim)):
+            if value is None:
+                raise ReshardError(f"--to tp:{n}: config.json of {self.name} gives no {field}; tp:N needs it to split attention")
         if self.heads % n:
             raise ReshardError(f"--to tp:{n}: {n} does not divide num_attention_heads={self.heads}; choose a divisor")
         if self.kv_heads >= n and self.kv_heads % n:
@@ -142,38 +235,92 @@ class Architecture:
                 f"--to tp:{n}: num_key_value_heads={self.kv_heads} < {n} ranks, so KV heads are replicated, "
                 f"which needs {n} to be a multiple of {self.kv_heads}"
             )
-        if self.intermediate % n:
+        if self.intermediate is not None and self.intermediate % n:
             raise ReshardError(f"--to tp:{n}: {n} does not divide intermediate_size={self.intermediate}")
+        for spec in specs:
+            self.tp_pieces(spec, n)
+
+    def _no_rule(self, name: str, why: str = "") -> ReshardError:
+        return ReshardError(
+            f"{name!r}: no tensor-parallel rule for this tensor of {self.name}{why}; "
+            "reshard it to 'hf' or 'dcp:N' (any architecture), or use a model whose tensors tp:N knows"
+        )
+
+    def _kv_rows(self, n: int, base: int = 0) -> list[tuple[int, int]]:
+        """Each rank's rows of a k or v projection (or block) that starts at row `base`."""
+        d = self.head_dim
+        if self.kv_heads < n:
+            reps = n // self.kv_heads
+            return [(base + (r // reps) * d, base + (r // reps + 1) * d) for r in range(n)]
+        size = self.kv_heads * d // n
+        return [(base + r * size, base + (r + 1) * size) for r in range(n)]
 
     def tp_pieces(self, spec: TensorSpec, n: int) -> list[Piece]:
         """The slice of `spec` each of the n ranks holds (see the module docstring)."""
-        name = spec.name
-        if name in ("model.embed_tokens.weight", "lm_head.weight"):
+        name, role = spec.name, tp_role(spec.name)
+        if role is None:
+            raise self._no_rule(name)
+        if role == "vocab":
             step = -(-spec.shape[0] // n)
-            return [Piece(0, min(r * step, spec.shape[0]), min((r + 1) * step, spec.shape[0])) for r in range(n)]
-        if name == "model.norm.weight":
-            return [Piece(None)] * n
-        m = _LAYER.match(name)
-        if not m:
-            raise ReshardError(f"{name!r}: no tensor-parallel rule for this parameter")
-        module, _, kind = m.group(2).rpartition(".")
-        if module in NORMS:
-            return [Piece(None)] * n
-        if module in KV and self.kv_heads < n:
-            reps, d = n // self.kv_heads, self.head_dim
-            return [Piece(0, (r // reps) * d, (r // reps + 1) * d) for r in range(n)]
+            return [Piece(0, ((min(r * step, spec.shape[0]), min((r + 1) * step, spec.shape[0])),)) for r in range(n)]
+        if role == "norm":
+            if name.endswith(("q_norm.weight", "k_norm.weight")) and tuple(spec.shape) != (self.head_dim,):
+                raise self._no_rule(name, f" (shape {list(spec.shape)}: a per-head norm has [head_dim={self.head_dim}])")
+            return [REPLICATED] * n
+        module, kind = role
+        rows = spec.shape[0]
+        if module in ROW:
+            if kind == "bias":
+                return [REPLICATED] * n
+            return self._even(spec, n, dim=1)
+        if module in KV:
+            self._expect_rows(spec, self.kv_heads * self.head_dim)
+            return [Piece(0, (seg,)) for seg in self._kv_rows(n)]
         if module in COLUMN:
-            size = spec.shape[0] // n
-            return [Piece(0, r * size, (r + 1) * size) for r in range(n)]
-        if module in ROW and kind == "weight":
-            size = spec.shape[1] // n
-            return [Piece(1, r * size, (r + 1) * size) for r in range(n)]
-        raise ReshardError(f"{name!r}: no tensor-parallel rule for this parameter")
+            return self._even(spec, n, dim=0)
+        if module == "qkv_proj":
+            q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
+            self._expect_rows(spec, q + 2 * kv)
+            qs = [(r * (q // n), (r + 1) * (q // n)) for r in range(n)]
+            ks, vs = self._kv_rows(n, q), self._kv_rows(n, q + kv)
+            return [Piece(0, (qs[r], ks[r], vs[r])) for r in range(n)]
+        if module == "gate_up_proj":
+            if rows % (2 * n):
+                raise ReshardError(f"--to tp:{n}: {name!r} has {rows} rows, two halves that {n} must divide")
+            half, size = rows // 2, rows // (2 * n)
+            return [Piece(0, ((r * size, (r + 1) * size), (half + r * size, half + (r + 1) * size))) for r in range(n)]
+        raise self._no_rule(name)
+
+    def _even(self, spec: TensorSpec, n: int, dim: int) -> list[Piece]:
+        if len(spec.shape) <= dim or spec.shape[dim] % n:
+            raise ReshardError(f"--to tp:{n}: {spec.name!r} has shape {list(spec.shape)}; {n} must divide dim {dim}")
+        size = spec.shape[dim] // n
+        return [Piece(dim, ((r * size, (r + 1) * size),)) for r in range(n)]
+
+    def _expect_rows(self, spec: TensorSpec, rows: int) -> None:
+        if spec.shape[0] != rows:
+            raise ReshardError(
+                f"{spec.name!r} of {self.name} has {spec.shape[0]} rows but the config's heads imply {rows} "
+                f"(heads={self.heads}, kv_heads={self.kv_heads}, head_dim={self.head_dim}); tp:N cannot split it"
+            )
+
+
+def tp_role(name: str) -> str | tuple[str, str] | None:
+    """"vocab", "norm", (module, "weight" | "bias") of a linear layer with a TP rule, or None."""
+    if name in (EMBED, LM_HEAD):
+        return "vocab"
+    if _NORM.match(name):
+        return "norm"
+    m = _LAYER.match(name)
+    lin = _LINEAR.match(m.group(2)) if m else None
+    if lin is None or lin.group(2) not in COLUMN | FUSED | ROW:
+        return None
+    return lin.group(2), lin.group(3)
 
 
 def piece_shape(spec: TensorSpec, piece: Piece) -> tuple[int, ...]:
     if piece.dim is None:
         return tuple(spec.shape)
     shape = list(spec.shape)
-    shape[piece.dim] = piece.stop - piece.start
+    shape[piece.dim] = piece.size
     return tuple(shape)

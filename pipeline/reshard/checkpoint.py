@@ -1,13 +1,17 @@
-"""The trainer's checkpoint writer, so the layout reshard reads has exactly one producer.
+"""The trainer checkpoint layout (`dcp:W`): the only code that writes it, and the readers of its meta.
 
-    checkpoints/step_<N>/
-      dcp/        torch.distributed.checkpoint output; model entries are "model.<hf name>"
+    <checkpoint>/
+      dcp/        torch.distributed.checkpoint output; model entries are "model.<hf name>", other
+                  keys (optimizer, counters) belong to whoever saved them
       hf/         config.json, generation_config.json, tokenizer files (no weights)
-      meta.json   {"step": N, "world_size": W, "policy_version": K, "format": "dcp"}, written last
+      meta.json   {"format": "dcp", "policy_version": K, "step": N, "world_size": W[, "kind"]},
+                  written last: a checkpoint exists only once it is there
 
-`save_dcp` works in a single process (plain tensors) and inside an initialised process group where
-the model entries are FSDP2 DTensors: every rank calls it; DCP writes each rank's shards, and rank 0
-then copies the metadata files and commits meta.json.
+Writers: `save_dcp` (the trainer saves every checkpoint through it) and the resharder's `dcp:N`
+output, which writes `dcp/` tensor by tensor (`dcp_io`) and takes `meta.json`'s content and
+bytes from `checkpoint_meta` / `encode_meta`. Readers: `read_meta` (the resharder's source and the
+trainer's list of checkpoints), `dcp_reader` (DCP's own loader, through which the trainer resumes)
+and `load_model_weights`; the resharder reads `dcp/` with its own reader (`dcp_io`).
 """
 
 from __future__ import annotations
@@ -15,14 +19,43 @@ from __future__ import annotations
 import json
 import warnings
 
+import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from ..storage import is_local, list_names, put_atomic, url_to_fs
-from .layout import DCP_DIR, HF_META_DIR, META, ReshardError, is_weight_file
+from ..storage import is_local, list_names, put_atomic, read_bytes, url_to_fs
+from .layout import DCP_DIR, HF_META_DIR, META, MODEL_PREFIX, ReshardError, is_weight_file
+
+# one process without a process group is a supported mode of DCP, not a mistake
+warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
 
 
-def _writer(url: str):
+def checkpoint_meta(step: int | None, world_size: int, policy_version: int | None, kind: str | None = None) -> dict:
+    """The content of meta.json. `kind` ("periodic" | "phase") is the trainer's retention class."""
+    meta = {"step": step, "world_size": world_size, "policy_version": policy_version, "format": "dcp"}
+    if kind is not None:
+        meta["kind"] = kind
+    return meta
+
+
+def encode_meta(meta: dict) -> bytes:
+    return json.dumps(meta, indent=1, sort_keys=True).encode()
+
+
+def read_meta(fs, root: str) -> dict | None:
+    """The meta.json of the checkpoint folder `root`; None while it is incomplete (no meta.json)."""
+    try:
+        data = read_bytes(fs, f"{root}/{META}")
+    except FileNotFoundError:
+        return None
+    try:
+        return json.loads(data)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ReshardError(f"{root}/{META}: invalid JSON in checkpoint meta.json ({e})") from None
+
+
+def dcp_writer(url: str):
+    """DCP's storage writer for the `dcp/` folder at `url`, on local disk or any fsspec URL."""
     fs, path = url_to_fs(url)
     if is_local(fs):
         return dcp.FileSystemWriter(path, thread_count=1)
@@ -31,27 +64,73 @@ def _writer(url: str):
     return FsspecWriter(url, thread_count=1)
 
 
+def dcp_reader(url: str):
+    """DCP's storage reader for the `dcp/` folder at `url`."""
+    fs, path = url_to_fs(url)
+    if is_local(fs):
+        return dcp.FileSystemReader(path)
+    from torch.distributed.checkpoint import FsspecReader
+
+    return FsspecReader(url)
+
+
+def _metadata_names(hf_meta_dir: str) -> list[str]:
+    fs, root = url_to_fs(hf_meta_dir)
+    names = [n for n in list_names(fs, root) if not is_weight_file(n) and fs.isfile(f"{root}/{n}")]
+    if "config.json" not in names:
+        raise ReshardError(f"save_dcp: hf_meta_dir {hf_meta_dir!r} has no config.json; pass the model's HF folder")
+    return names
+
+
 def save_dcp(state_dict: dict, dst_url: str, hf_meta_dir: str, step: int, world_size: int,
-             policy_version: int | None) -> None:
-    """Save `state_dict` ({"model": {hf name: tensor or DTensor}, optional "optim", ...}) as a
-    complete checkpoint at `dst_url`; it counts as complete once meta.json exists."""
+             policy_version: int | None, kind: str | None = None) -> dict:
+    """Save `state_dict` ({"model": {hf name: tensor or DTensor}, other entries as the caller
+    likes}) as a complete checkpoint at `dst_url`, with the metadata files of the Hugging Face
+    folder `hf_meta_dir` (its weights are not copied). Returns its meta.json.
+
+    Works in one process (plain tensors) and in an initialised process group (FSDP2 DTensors):
+    every rank calls it; DCP writes each rank's shards, then rank 0 copies the metadata files and
+    commits meta.json. A complete checkpoint at `dst_url` is kept as it is (a step redone after a
+    resume saves the same state); a folder without meta.json is the remains of a killed save and
+    is replaced."""
     if not isinstance(state_dict.get("model"), dict) or not state_dict["model"]:
         raise ReshardError("save_dcp: state_dict['model'] must be a non-empty {parameter name: tensor} dict")
     distributed = dist.is_available() and dist.is_initialized()
     if distributed and dist.get_world_size() != world_size:
         raise ReshardError(f"save_dcp: world_size={world_size} but the process group has {dist.get_world_size()} ranks")
+    main = not distributed or dist.get_rank() == 0
     fs, root = url_to_fs(dst_url)
     src_fs, src_root = url_to_fs(hf_meta_dir)
-    meta_names = [n for n in list_names(src_fs, src_root) if not is_weight_file(n) and src_fs.isfile(f"{src_root}/{n}")]
-    if "config.json" not in meta_names:
-        raise ReshardError(f"save_dcp: hf_meta_dir {hf_meta_dir!r} has no config.json; pass the model's HF folder")
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*assuming the intent is to save in a single process.*")
-        dcp.save(state_dict, storage_writer=_writer(f"{dst_url.rstrip('/')}/{DCP_DIR}"))
-    if not distributed or dist.get_rank() == 0:
-        for name in meta_names:
-            put_atomic(fs, f"{root}/{HF_META_DIR}/{name}", src_fs.cat_file(f"{src_root}/{name}"))
-        meta = {"step": step, "world_size": world_size, "policy_version": policy_version, "format": "dcp"}
-        put_atomic(fs, f"{root}/{META}", json.dumps(meta, indent=1, sort_keys=True).encode())
+    names = _metadata_names(hf_meta_dir)
+    meta = read_meta(fs, root)
+    if meta is None:
+        if main and fs.exists(root):
+            fs.rm(root, recursive=True)
+        if distributed:
+            dist.barrier()  # no rank writes before the remains are gone
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*assuming the intent is to save in a single process.*")
+            dcp.save(state_dict, storage_writer=dcp_writer(f"{dst_url.rstrip('/')}/{DCP_DIR}"))
+        meta = checkpoint_meta(step, world_size, policy_version, kind)
+        if main:
+            for name in names:
+                put_atomic(fs, f"{root}/{HF_META_DIR}/{name}", src_fs.cat_file(f"{src_root}/{name}"))
+            put_atomic(fs, f"{root}/{META}", encode_meta(meta))  # the commit point
     if distributed:
         dist.barrier()  # no rank returns before the checkpoint is complete
+    return meta
+
+
+def load_model_weights(checkpoint_url: str) -> dict[str, torch.Tensor]:
+    """The model's full weights {hf name: tensor} from a checkpoint (one process, any saved world size)."""
+    dcp_url = f"{checkpoint_url.rstrip('/')}/{DCP_DIR}"
+    md = dcp_reader(dcp_url).read_metadata()
+    template = {}
+    for key, item in md.state_dict_metadata.items():
+        if key.startswith(MODEL_PREFIX) and hasattr(item, "size"):
+            template[key[len(MODEL_PREFIX):]] = torch.empty(tuple(item.size), dtype=item.properties.dtype)
+    if not template:
+        raise ReshardError(f"{checkpoint_url}: no '{MODEL_PREFIX}*' entries; not a trainer checkpoint")
+    state = {"model": template}
+    dcp.load(state, storage_reader=dcp_reader(dcp_url))
+    return state["model"]

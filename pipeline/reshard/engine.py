@@ -22,10 +22,11 @@ import time
 import torch
 
 from ..storage import put_if_absent, url_to_fs
-from .arch import Architecture
+from .arch import EMBED, LM_HEAD, Architecture
+from .checkpoint import checkpoint_meta
 from .files import HashPipe
 from .ring import TensorRing
-from .layout import MANIFEST, MANIFEST_VERSION, ReshardError, ordered, parse_format
+from .layout import MANIFEST, MANIFEST_VERSION, ReshardError, TensorSpec, ordered, parse_format
 from .manifest import encode, read_manifest, verify
 from .sinks import META_PREFIX, make_sink
 from .sources import open_source
@@ -136,8 +137,10 @@ def publish(src_url: str, dst_url: str, to: str = "hf", *, policy_version: int |
             raise ReshardError(f"destination {dst_url!r} is the source or inside it; choose another folder")
         arch = Architecture.from_config(source.config, source.url)
         arch.check(source.specs, source.url)
+        source = _Renamed(source, arch.output_names([s.name for s in source.specs], fmt.kind))
+        _check_tied(source, arch)
         if fmt.kind == "tp":
-            arch.check_tp(fmt.degree)
+            arch.check_tp(fmt.degree, source.specs)
         version = policy_version if policy_version is not None else source.policy_version
         step = source.step if source.step is not None else (extra or {}).get("step")
 
@@ -150,36 +153,76 @@ def publish(src_url: str, dst_url: str, to: str = "hf", *, policy_version: int |
                 )
             verify(dst_url).raise_if_bad()
             return existing, False
-
-        specs = ordered(source.specs)
-        meta = {"step": step, "world_size": fmt.degree, "policy_version": version, "format": "dcp"}
-        save_id = hashlib.sha256(f"{fmt}|{step}|{version}|{[(s.name, s.shape) for s in specs]}".encode()).hexdigest()[:32]
-        pipe = HashPipe()
-        sink = make_sink(fmt, fs, root, specs, arch, max_shard_bytes=max_shard_bytes, meta=meta, save_id=save_id,
-                         pipe=pipe)
-        try:
-            sink.copy_meta(source.fs, source.meta_files, META_PREFIX[fmt.kind])
-            _stream(source, sink, sink.order(specs), pipe)
-            sink.finish()
-            manifest = {
-                **{k: v for k, v in (extra or {}).items() if k not in _RESERVED},
-                "format": str(fmt), "version": version, "step": step, "source_format": str(source.format),
-                "architecture": arch.name, "manifest_version": MANIFEST_VERSION,
-                **sink.manifest_fields, "files": dict(sorted(sink.files.items())),
-            }
-            if put_if_absent(fs, f"{root}/{MANIFEST}", encode(manifest)):
-                return manifest, True
-            winner = read_manifest(fs, root)  # a concurrent run committed the same output first
-            return winner, False
-        except BaseException:
-            sink.abort()
-            if read_manifest(fs, root) is None:
-                _remove(fs, root, sink.committed_paths())
-            raise
-        finally:
-            pipe.close()
+        header = {"format": str(fmt), "version": version, "step": step, "source_format": str(source.format),
+                  "architecture": arch.name, "manifest_version": MANIFEST_VERSION}
+        return _write(source, fs, root, fmt, arch, header, max_shard_bytes, extra)
     finally:
         source.close()
+
+
+class _Renamed:
+    """The source as the output names its tensors ({output name: source name}): a tied output
+    layer is dropped or becomes a second name of the embedding (see `arch.output_names`)."""
+
+    def __init__(self, source, names: dict[str, str]):
+        self.inner, self.names = source, names
+        by_name = {s.name: s for s in source.specs}
+        self.specs = [TensorSpec(out, by_name[src].shape, by_name[src].dtype) for out, src in names.items()]
+        self.dropped = sorted(set(by_name) - set(names.values()))
+
+    def __getattr__(self, attr):  # format, config, fs, root, url, meta_files, step, copyable, ...
+        return getattr(self.inner, attr)
+
+    def read(self, name: str, out=None):
+        return self.inner.read(self.names[name], out)
+
+    def locate(self, name: str):
+        return self.inner.locate(self.names[name])
+
+
+def _check_tied(source: _Renamed, arch: Architecture) -> None:
+    """A tied output layer the output drops must be the embedding it stands for: a trainer that
+    let the two drift apart would otherwise publish a policy other than the one it trained."""
+    if LM_HEAD not in source.dropped:
+        return
+    head, embed = source.inner.read(LM_HEAD), source.inner.read(EMBED)
+    if not torch.equal(head, embed):
+        raise ReshardError(
+            f"{source.url}: tie_word_embeddings is true but {LM_HEAD!r} differs from {EMBED!r} (max difference "
+            f"{(head.float() - embed.float()).abs().max().item():.3g}); the weights were untied while training, so "
+            "they are not the tied model config.json describes; set tie_word_embeddings to false in its config.json"
+        )
+
+
+def _write(source, fs, root: str, fmt, arch: Architecture, header: dict, max_shard_bytes: int,
+           extra: dict | None) -> tuple[dict, bool]:
+    """Stream `source` into a new output at `root`, then commit its manifest (`header`, the
+    caller's `extra` keys and the files written). On any error the files written are removed."""
+    specs = ordered(source.specs)
+    step, version = header["step"], header["version"]
+    meta = checkpoint_meta(step, fmt.degree, version)
+    save_id = hashlib.sha256(f"{fmt}|{step}|{version}|{[(s.name, s.shape) for s in specs]}".encode()).hexdigest()[:32]
+    pipe = HashPipe()
+    sink = make_sink(fmt, fs, root, specs, arch, max_shard_bytes=max_shard_bytes, meta=meta, save_id=save_id, pipe=pipe)
+    try:
+        sink.copy_meta(source.fs, source.meta_files, META_PREFIX[fmt.kind])
+        _stream(source, sink, sink.order(specs), pipe)
+        sink.finish()
+        manifest = {
+            **{k: v for k, v in (extra or {}).items() if k not in _RESERVED}, **header,
+            **sink.manifest_fields, "files": dict(sorted(sink.files.items())),
+        }
+        if put_if_absent(fs, f"{root}/{MANIFEST}", encode(manifest)):
+            return manifest, True
+        winner = read_manifest(fs, root)  # a concurrent run committed the same output first
+        return winner, False
+    except BaseException:
+        sink.abort()
+        if read_manifest(fs, root) is None:
+            _remove(fs, root, sink.committed_paths())
+        raise
+    finally:
+        pipe.close()
 
 
 def _remove(fs, root: str, paths: list[str]) -> None:
@@ -193,23 +236,3 @@ def _remove(fs, root: str, paths: list[str]) -> None:
                 fs.rmdir(folder)
         except OSError:
             pass
-
-
-def publish_checkpoint(run_url: str, checkpoint_url: str, version: int) -> bool:
-    """Reshard a trainer checkpoint into `policy/v<version>/` of a run and point `latest` at it.
-    Returns False when that version was already published (a retried task)."""
-    from ..policy import PolicyStore
-    from ..runs import RunDir
-
-    return PolicyStore(RunDir(run_url)).publish_folder(version, checkpoint_url)
-
-
-def verify_policy(run_url: str, version: int):
-    """Verify `policy/v<version>/` of a run against its manifest; raises ReshardError if it does not."""
-    from ..policy import version_dirname
-    from ..runs import RunDir
-    from .manifest import verify
-
-    report = verify(RunDir(run_url).child_url("policy", version_dirname(version)))
-    report.raise_if_bad()
-    return report

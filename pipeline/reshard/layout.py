@@ -1,6 +1,8 @@
 """Names shared by every reader and writer: formats, tensor descriptions, dtypes, file names.
 
-A format string is what users type after `--to`: `hf`, `tp:N` or `dcp:N` (N >= 1).
+A format string is what users type after `--to`: `hf`, `tp:N` or `dcp:N` (N >= 1). The file
+names of a trainer checkpoint (`dcp:N`) are defined here and nowhere else; those of a Hugging Face
+folder (`model.safetensors`, its index) in `pipeline.weights`.
 """
 
 from __future__ import annotations
@@ -12,8 +14,6 @@ import torch
 
 MANIFEST = "manifest.json"
 META = "meta.json"  # trainer checkpoint marker: complete only once it exists
-HF_INDEX = "model.safetensors.index.json"
-HF_SINGLE = "model.safetensors"
 DCP_DIR = "dcp"
 HF_META_DIR = "hf"
 MODEL_PREFIX = "model."  # DCP key prefix of model parameters in a trainer checkpoint

@@ -7,9 +7,12 @@ hf      config/tokenizer/generation files, `model.safetensors` or `model-0000i-o
 tp:N    the same metadata files plus `model-tp-rank-0000r-of-0000N.safetensors` for r < N. Each rank
         file holds every parameter under its Hugging Face name, as the slice that rank owns (rules
         in `arch`); the manifest's `tensors[name]` gives `shape` (full), `dtype`, `dim` (split
-        dimension, null when replicated) and `ranges` ([start, stop) along `dim`, one per rank).
-dcp:N   `dcp/` (see `dcp_io`), `hf/` with the metadata files, and `meta.json`
-        {"step", "world_size": N, "policy_version", "format": "dcp"} written after the weights.
+        dimension, null when replicated) and `ranges` ([start, stop) along `dim`, one per rank),
+        or for fused tensors (Phi-3's qkv_proj, gate_up_proj) `segments` (per rank, the runs it
+        holds, concatenated in that order).
+dcp:N   the trainer checkpoint layout (see `checkpoint`): `dcp/` (see `dcp_io`), `hf/` with the
+        metadata files, and `meta.json` {"step", "world_size": N, "policy_version", "format": "dcp"}
+        written after the weights.
 """
 
 from __future__ import annotations
@@ -18,10 +21,12 @@ import json
 
 import torch
 
-from .arch import Architecture
+from ..weights import HF_INDEX, HF_SINGLE
+from .arch import Architecture, Piece, piece_shape
+from .checkpoint import encode_meta
 from .dcp_io import DCPWriter
 from .files import HashPipe, OutFile, slice_segments, tensor_bytes
-from .layout import DCP_DIR, HF_INDEX, HF_META_DIR, HF_SINGLE, META, ST_CODES, Format, TensorSpec, hf_shard_name, tp_rank_name
+from .layout import DCP_DIR, HF_META_DIR, META, ST_CODES, Format, TensorSpec, hf_shard_name, tp_rank_name
 from .ring import TensorRing
 from .safetensors_io import PAGE, SafetensorsWriter
 
@@ -137,27 +142,17 @@ class TPSink(Sink):
         for r in range(n):
             decl = []
             for s in self._order:
-                p = self._pieces[s.name][r]
-                shape = list(s.shape)
-                if p.dim is not None:
-                    shape[p.dim] = p.stop - p.start
-                decl.append((s.name, tuple(shape), s.dtype))
+                decl.append((s.name, piece_shape(s, self._pieces[s.name][r]), s.dtype))
             f = self._new(tp_rank_name(r, n))
             self._writers.append((tp_rank_name(r, n), f, SafetensorsWriter(f, decl)))
         self.manifest_fields = {
             "tp_size": n,
             "rank_files": [tp_rank_name(r, n) for r in range(n)],
-            "tensors": {
-                s.name: {
-                    "shape": list(s.shape), "dtype": ST_CODES[s.dtype], "dim": self._pieces[s.name][0].dim,
-                    "ranges": [[p.start, p.stop] if p.dim is not None else [0, 0] for p in self._pieces[s.name]],
-                }
-                for s in specs
-            },
+            "tensors": {s.name: tp_entry(s, self._pieces[s.name]) for s in specs},
         }
 
     def wants_bytes(self, spec: TensorSpec) -> bool:
-        return any(len(r) > 1 for r in self._ranges[spec.name])  # dim-1 slices (row-parallel) are gathered in memory
+        return any(len(r) > 1 for r in self._ranges[spec.name])  # dim-1 slices and fused blocks are gathered in memory
 
     def write(self, spec: TensorSpec, t: torch.Tensor | None, segments: list | None = None) -> None:
         data = tensor_bytes(t) if t is not None else None
@@ -166,10 +161,12 @@ class TPSink(Sink):
                 begin, end = ranges[0]
                 w.write(spec.name, data[begin:end] if data is not None else None,
                         segments and slice_segments(segments, begin, end))
-            else:  # a run per row (a dim-1 slice): gathered into a buffer of the staging ring, written at once
-                part = t.narrow(p.dim, p.start, p.stop - p.start)
-                buf = self._staging.take(tuple(part.shape), part.dtype)
-                buf.copy_(part)
+            else:  # a run per row (a dim-1 slice) or per block (fused): gathered into the staging ring, written at once
+                buf = self._staging.take(piece_shape(spec, p), spec.dtype)
+                at = 0
+                for start, stop in p.segments:
+                    buf.narrow(p.dim, at, stop - start).copy_(t.narrow(p.dim, start, stop - start))
+                    at += stop - start
                 w.write(spec.name, tensor_bytes(buf))
                 del buf
                 if self.pipe is not None:
@@ -200,11 +197,23 @@ class DCPSink(Sink):
     def finish(self) -> None:
         for rel, entry in self.writer.commit().items():
             self.files[f"{DCP_DIR}/{rel}"] = entry
-        self.put(META, json.dumps(self.meta, indent=1, sort_keys=True).encode())
+        self.put(META, encode_meta(self.meta))  # last: the checkpoint's own commit point
 
     def abort(self) -> None:
         self.writer.abort()
         super().abort()
+
+
+def tp_entry(spec: TensorSpec, pieces: list[Piece]) -> dict:
+    """The manifest's description of one tensor of a tp:N output: `ranges` gives each rank's
+    [start, stop) along `dim` ([0, 0] when replicated); a fused tensor, whose rank slices are
+    several runs, gives them as `segments` (per rank, a list of [start, stop], in file order)."""
+    entry = {"shape": list(spec.shape), "dtype": ST_CODES[spec.dtype], "dim": pieces[0].dim}
+    if any(len(p.segments) > 1 for p in pieces):
+        entry["segments"] = [[list(seg) for seg in p.segments] for p in pieces]
+    else:
+        entry["ranges"] = [list(p.segments[0]) if p.dim is not None else [0, 0] for p in pieces]
+    return entry
 
 
 def page_multiples_first(specs: list[TensorSpec], sizes: list[int]) -> list[TensorSpec]:

@@ -3,23 +3,24 @@ every tensor's bytes accounted for) before anything is written; `read(name)` the
 tensor, reading each of its bytes once.
 
 Detection: a folder with `manifest.json` says its own format; a folder with `meta.json` is a
-trainer checkpoint (`dcp/`, `hf/`); a folder with safetensors weights is a Hugging Face model.
+trainer checkpoint (`dcp/`, `hf/`, see `checkpoint`); a folder with safetensors weights is a Hugging
+Face model.
 """
 
 from __future__ import annotations
 
 import io
 import json
+import math
 
 import torch
 
 from ..storage import is_local, list_names, read_bytes, url_to_fs
+from ..weights import HF_INDEX, HF_SINGLE
+from .checkpoint import read_meta
 from .dcp_io import DCPReader
 from .files import open_read, read_into
-from .layout import (
-    DCP_DIR, HF_INDEX, HF_META_DIR, HF_SINGLE, MANIFEST, META, Format, ReshardError, TensorSpec, is_weight_file,
-    parse_format,
-)
+from .layout import DCP_DIR, HF_META_DIR, MANIFEST, META, Format, ReshardError, TensorSpec, is_weight_file, parse_format
 from .safetensors_io import Entry, read_header, read_tensor
 
 
@@ -141,16 +142,19 @@ class TPSource(Source):
         headers = self._headers(self._paths)
         self._plan: dict[str, dict] = manifest.get("tensors") or {}
         self.specs = []
+        self._segments: dict[str, list[list[tuple[int, int]]]] = {}
         for name, t in self._plan.items():
             spec = TensorSpec(name, tuple(t["shape"]), _dtype(t["dtype"], root))
+            segments = _rank_segments(root, name, t, n)
             for r, path in enumerate(self._paths):
                 e = headers[path].get(name)
                 if e is None:
                     raise ReshardError(f"{path}: tensor {name!r} of rank {r} is missing; the shard is incomplete")
-                want = _piece_shape(spec, t.get("dim"), t["ranges"][r])
+                want = _piece_shape(spec, t.get("dim"), segments[r])
                 if e.shape != want or e.dtype != spec.dtype:
                     raise ReshardError(f"{path}: {name!r} has shape {list(e.shape)}, the manifest implies {list(want)}")
-            _check_tiling(root, name, spec, t.get("dim"), t["ranges"])
+            _check_tiling(root, name, spec, t.get("dim"), [seg for rank in segments for seg in rank])
+            self._segments[name] = segments
             self.specs.append(spec)
         self._headers_by_path = headers
 
@@ -161,20 +165,24 @@ class TPSource(Source):
         if dim is None:  # replicated: every rank holds the same bytes; read rank 0's
             return read_tensor(self._file(self._paths[0]), self._headers_by_path[self._paths[0]][name], self._paths[0], out)
         out = torch.empty(spec.shape, dtype=spec.dtype) if out is None else out
+        row = spec.dtype.itemsize * math.prod(spec.shape[1:])
         seen = set()
-        for r, (start, stop) in enumerate(t["ranges"]):
-            if (start, stop) in seen or stop == start:
-                continue  # a replicated KV head: the first rank holding it is enough
-            seen.add((start, stop))
+        for r, segments in enumerate(self._segments[name]):
             path = self._paths[r]
             entry = self._headers_by_path[path][name]
-            dest = out.narrow(dim, start, stop - start)
             f = self._file(path)
-            if dest.is_contiguous():
-                f.seek(entry.begin)
-                read_into(f, dest, path)
-            else:
-                dest.copy_(read_tensor(f, entry, path))
+            piece, at = None, 0
+            for start, stop in segments:
+                if (start, stop) not in seen and stop > start:  # a replicated KV head: its first rank is enough
+                    seen.add((start, stop))
+                    dest = out.narrow(dim, start, stop - start)
+                    if dim == 0:  # rows of the rank's slice lie in one run of its file
+                        f.seek(entry.begin + at * row)
+                        read_into(f, dest, path)
+                    else:
+                        piece = read_tensor(f, entry, path) if piece is None else piece
+                        dest.copy_(piece.narrow(dim, at, stop - start))
+                at += stop - start
         return out
 
 
@@ -213,10 +221,14 @@ def open_source(url: str) -> Source:
         if fmt.kind == "tp":
             return TPSource(fs, root, url, manifest)
         if fmt.kind == "dcp":
-            return DCPSource(fs, root, url, _json(fs, f"{root}/{META}", "checkpoint meta.json"))
+            meta = read_meta(fs, root)
+            if meta is None:
+                raise ReshardError(f"{root}/{META}: missing checkpoint meta.json")
+            return DCPSource(fs, root, url, meta)
         return HFSource(fs, root, url, manifest)
-    if fs.exists(f"{root}/{META}"):
-        return DCPSource(fs, root, url, _json(fs, f"{root}/{META}", "checkpoint meta.json"))
+    meta = read_meta(fs, root)
+    if meta is not None:
+        return DCPSource(fs, root, url, meta)
     if fs.exists(f"{root}/{DCP_DIR}"):
         raise ReshardError(f"{url}: has dcp/ but no {META}; the checkpoint is incomplete (still being written or crashed)")
     return HFSource(fs, root, url, None)
@@ -230,11 +242,26 @@ def _dtype(code: str, where: str) -> torch.dtype:
     return ST_DTYPES[code]
 
 
-def _piece_shape(spec: TensorSpec, dim, rng) -> tuple[int, ...]:
+def _rank_segments(root: str, name: str, t: dict, n: int) -> list[list[tuple[int, int]]]:
+    """Each rank's [start, stop) runs along the split dim, from `ranges` (one run per rank) or
+    `segments` (fused tensors, several runs per rank)."""
+    try:
+        if "segments" in t:
+            out = [[(int(a), int(b)) for a, b in rank] for rank in t["segments"]]
+        else:
+            out = [[(int(a), int(b))] for a, b in t["ranges"]]
+    except (KeyError, TypeError, ValueError):
+        raise ReshardError(f"{root}/{MANIFEST}: tensor {name!r} has no valid ranges or segments") from None
+    if len(out) != n or any(a < 0 or b < a for rank in out for a, b in rank):
+        raise ReshardError(f"{root}/{MANIFEST}: tensor {name!r} lists {len(out)} rank slices for tp:{n}, or a bad range")
+    return out
+
+
+def _piece_shape(spec: TensorSpec, dim, segments) -> tuple[int, ...]:
     if dim is None:
         return tuple(spec.shape)
     shape = list(spec.shape)
-    shape[dim] = rng[1] - rng[0]
+    shape[dim] = sum(b - a for a, b in segments)
     return tuple(shape)
 
 

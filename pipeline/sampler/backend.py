@@ -108,16 +108,14 @@ class SamplerBackend(ABC):
         in sampler layout). Returns the seconds it took."""
         t0 = time.perf_counter()
         self._load_weights(policy_dir)
-        seconds = time.perf_counter() - t0
-        self._last["sampler/reload_ms"] = seconds * 1000.0
-        return seconds
+        return time.perf_counter() - t0
 
     def stats(self) -> dict[str, float]:
-        """Figures of the latest generate call and reload, plus the budget's state, for metrics.
+        """Figures of the latest generate call, plus the budget's state, for metrics.
 
         `sampler/tokens_per_s` (generated tokens over the call's wall time), `sampler/batch_size`
         (mean sequences per engine call), `sampler/max_batch_size`, `sampler/engine_calls`,
-        `sampler/reload_ms` (once a reload happened), `sampler/token_budget` (current, after any
+        `sampler/token_budget` (current, after any
         out-of-memory back-off), `sampler/oom_retries` (since start).
         """
         return {**self._last, "sampler/token_budget": float(self.budget.current),

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ..models import load_model, load_tokenizer, set_threads
+from ..models import eos_token_ids, load_model, load_tokenizer, set_threads
 from ..weights import load_state_dict
 from .backend import Completion, GenParams, SamplerBackend
 
@@ -17,14 +17,21 @@ class HFBackend(SamplerBackend):
         super().__init__(seed=seed, max_batch_tokens=max_batch_tokens)
         set_threads(threads)
         self.tokenizer = load_tokenizer(model_dir)
-        self.model = load_model(model_dir, dtype).eval()
-        self.eos_id = self.tokenizer.eos_token_id
+        # the process's accelerator, if any (its task gave it its own via CUDA_VISIBLE_DEVICES)
+        self.device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+        self.model = load_model(model_dir, dtype).to(self.device).eval()
+        self.eos_ids = eos_token_ids(model_dir, self.tokenizer)
         self.pad_id = self.tokenizer.pad_token_id
 
     def _load_weights(self, policy_dir: str) -> None:
         sd = load_state_dict(policy_dir)
         missing, unexpected = self.model.load_state_dict(sd, strict=False)
-        if unexpected or [m for m in missing if "rotary" not in m]:
+        # A tied output layer is the embedding's own parameter: published once (as save_pretrained
+        # writes it), it is refreshed in place with the embedding and stays tied.
+        params = dict(self.model.named_parameters(remove_duplicate=False))
+        loaded = {id(params[n]) for n in sd if n in params}
+        missing = [m for m in missing if "rotary" not in m and not (m in params and id(params[m]) in loaded)]
+        if unexpected or missing:
             raise RuntimeError(f"policy {policy_dir}: missing={missing[:5]} unexpected={unexpected[:5]}")
 
     @torch.no_grad()
@@ -38,7 +45,8 @@ class HFBackend(SamplerBackend):
         for i, p in enumerate(prompts):  # left padding: generation continues every row at the end
             ids[i, width - len(p):] = torch.tensor(p)
             mask[i, width - len(p):] = 1
-        kwargs = dict(max_new_tokens=params.max_new_tokens, pad_token_id=self.pad_id, eos_token_id=self.eos_id,
+        ids, mask = ids.to(self.device), mask.to(self.device)
+        kwargs = dict(max_new_tokens=params.max_new_tokens, pad_token_id=self.pad_id, eos_token_id=self.eos_ids,
                       return_dict_in_generate=True, output_logits=not params.greedy)
         if params.greedy:
             kwargs.update(do_sample=False, num_return_sequences=1)
@@ -53,15 +61,18 @@ class HFBackend(SamplerBackend):
             lp = torch.zeros(seqs.shape, dtype=torch.float32)
         else:
             logits = torch.stack(out.logits, dim=1).float() / params.temperature  # [B*n, T, V]
-            lp = torch.log_softmax(logits, dim=-1).gather(-1, seqs.unsqueeze(-1)).squeeze(-1)
+            lp = torch.log_softmax(logits, dim=-1).gather(-1, seqs.unsqueeze(-1)).squeeze(-1).cpu()
+        seqs = seqs.cpu()
+        eos = set(self.eos_ids)
         results: list[list[Completion]] = []
         for i in range(len(prompts)):
             group = []
             for j in range(n_eff):
                 row = i * n_eff + j
                 toks = seqs[row].tolist()
-                if self.eos_id in toks:
-                    end, reason = toks.index(self.eos_id) + 1, "stop"
+                stop = next((k for k, t in enumerate(toks) if t in eos), None)
+                if stop is not None:
+                    end, reason = stop + 1, "stop"
                 else:
                     end, reason = len(toks), "length"
                 toks = toks[:end]

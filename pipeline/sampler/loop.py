@@ -5,7 +5,8 @@ It runs until the stop marker appears or the trainer is done. Each iteration:
    retention from deleting it meanwhile;
 2. wait while it is more than `max_staleness` versions ahead of the trainer (the rate limiter);
 3. generate `group_size` completions for each of `prompts_per_batch` prompts, record the
-   behaviour log-probs and the policy version, score them with the reward function;
+   behaviour log-probs and the policy version, score the batch (`pipeline.scoring`: a rule
+   reward in a worker process with per-sample time limits, or the reward model);
 4. hand the shard (whole groups) to the buffer's asynchronous writer.
 """
 
@@ -22,11 +23,11 @@ from datetime import datetime, timezone
 from ..buffer import ReplayBuffer
 from ..buffer.schema import content_hash, to_table
 from ..config import validate_name
-from ..data import PromptRow, load_prompts
+from ..data import PromptRow, filter_overlong, load_prompts
 from ..models import load_tokenizer, render_prompt, set_threads
 from ..policy import PolicyStore
-from ..rewards import load_reward_fn, score
 from ..runs import RunDir
+from ..scoring import BatchScores, RewardError, RewardSample, RewardScorer, check_sources
 from .backend import GenParams, make_backend
 
 log = logging.getLogger("rlhf.sampler")
@@ -59,106 +60,159 @@ class PromptStream:
         return out
 
 
-def run_sampler(run_url: str, sampler_id: str = "sampler-0") -> dict:
-    validate_name(sampler_id, "--sampler-id", max_len=64)
-    run = RunDir(run_url)
-    cfg = run.config()
-    sc = cfg.sampler
-    set_threads(sc.threads)
-    stream_name = sampler_id.lower()
-    metrics = run.metrics(stream_name)
-    metrics.log({"event": "start", "sampler_id": sampler_id})
-    state_key = f"sampler_state_{stream_name}"
-    state = run.marker(state_key) or {}
+def _within_length(prompts: list[PromptRow], tokenizer, data_cfg, sampler_id: str, metrics) -> list[PromptRow]:
+    """The training prompts within data.max_prompt_tokens (the others dropped and counted, or a
+    ConfigError naming the first one, as data.overlong_prompts says)."""
+    kept, overlong = filter_overlong(prompts, tokenizer, data_cfg.max_prompt_tokens, data_cfg.overlong_prompts)
+    if overlong:
+        log.warning("sampler %s: %d prompts over data.max_prompt_tokens=%d left out", sampler_id, overlong,
+                    data_cfg.max_prompt_tokens)
+    metrics.log({"event": "prompts", "data/prompts": len(kept), "data/filtered_overlong": overlong})
+    return kept
 
-    prompts = load_prompts(run.child_url("data", "train.parquet"))
-    reward_fn = load_reward_fn(cfg.reward.fn)
-    store = PolicyStore(run)
-    if store.latest() is None:
-        raise RuntimeError(f"{run.url}: no policy published; run `rlhf prepare` first")
-    with store.lease_latest(sampler_id) as lease:  # retention keeps the version until it is loaded
-        version = lease.version
-        tokenizer = load_tokenizer(lease.path)
-        backend = make_backend(sc.backend, lease.path, dtype=cfg.model.dtype, threads=sc.threads,
-                               seed=cfg.seed + zlib.crc32(sampler_id.encode()) % 1000, options=sc.vllm,
-                               max_batch_tokens=sc.max_batch_tokens)
-    buffer = ReplayBuffer(run.buffer_url, cfg.buffer)
-    writer = buffer.writer(sampler_id)
-    stream = PromptStream(prompts, cfg.seed, int(state.get("prompt_position", 0)))
-    params = GenParams(max_new_tokens=sc.max_new_tokens, temperature=sc.temperature, top_p=sc.top_p)
-    gps = cfg.trainer.groups_per_step
-    batches = int(state.get("batches", 0))
-    # Groups produced so far: the buffer's count, or, while our own last shards are still in the
-    # asynchronous writer, the count at start plus what we handed over (whichever is larger).
-    committed_at_start = buffer.committed_groups()
-    handed_over = 0
-    limiter = buffer.rate_limiter()
-    waited = reload_s = 0.0  # since the last logged batch
-    log.info("sampler %s: policy v%d, backend %s, %d prompts", sampler_id, version, sc.backend, len(prompts))
 
+def _score(scorer: RewardScorer, batch: list[PromptRow], groups: list, metrics) -> tuple[BatchScores, float]:
+    """One reward call for the whole batch (scores in group order) and its duration; a failure
+    under reward.on_error=fail goes to the metrics stream before it stops the sampler."""
+    t0 = time.time()
     try:
-        while True:
-            if run.stop_requested() or run.has_marker("trainer_done"):
-                break
-            latest = store.latest()
-            if latest is not None and latest > version:
-                with store.lease_latest(sampler_id) as lease:
-                    if lease.version > version:
-                        reload_s += backend.load_weights(lease.path)
-                        version = lease.version
-            produced = max(buffer.committed_groups(), committed_at_start + handed_over)
-            if batch_ahead(produced, gps, version) > sc.max_staleness or \
-                    limiter.blocked_by(sc.prompts_per_batch) is not None:
-                # throttled: wait for a newer policy, or for the trainer to use what is buffered
-                time.sleep(sc.poll_s)
-                waited += sc.poll_s
-                continue
+        scored = scorer.score_batch([RewardSample(p.prompt_id, p.data_source, p.messages, c.text, p.ground_truth,
+                                                  p.extra_info) for p, group in zip(batch, groups) for c in group])
+    except RewardError as e:
+        metrics.log({"event": "reward_failed", "error": str(e)})
+        raise
+    return scored, time.time() - t0
 
-            t0 = time.time()
-            batch = stream.take(sc.prompts_per_batch)
-            prompt_ids = [tokenizer(render_prompt(tokenizer, p.messages), add_special_tokens=False)["input_ids"]
-                          for p in batch]
-            groups = backend.generate(prompt_ids, sc.group_size, params)
-            gen_s = time.time() - t0
-            rows, rewards, tokens = [], [], 0
-            now = datetime.now(timezone.utc)
-            for p, ids, group in zip(batch, prompt_ids, groups):
-                group_id = f"{p.prompt_id}-{uuid.uuid4().hex[:12]}"
-                for c in group:
-                    s = score(reward_fn, p.data_source, c.text, p.ground_truth, p.extra_info)
-                    rewards.append(s.reward)
-                    tokens += len(c.token_ids)
-                    rows.append({
-                        "sample_id": uuid.uuid4().hex, "prompt_id": p.prompt_id, "group_id": group_id,
-                        "data_source": p.data_source, "prompt_token_ids": ids,
-                        "response_token_ids": c.token_ids, "response_text": c.text,
-                        "behavior_logprobs": c.logprobs, "reward": s.reward, "token_rewards": None,
-                        "reward_extra": json.dumps(s.extra) if s.extra else None,
-                        "finish_reason": c.finish_reason, "policy_version": version,
-                        "sampler_id": sampler_id, "created_at": now,
-                        "content_hash": content_hash(ids, c.token_ids),
-                        "tier": "l1", "replay_count": 0, "priority": 1.0,
-                    })
-            writer.write(to_table(rows))
-            handed_over += len(batch)
-            t1 = time.time()
-            batches += 1
-            run.set_marker(state_key, {"prompt_position": stream.position, "batches": batches})
-            record = {
-                "sampler/batch": batches, "sampler/policy_version": version, "sampler/samples": len(rows),
-                "sampler/gen_tokens": tokens, "reward/mean": sum(rewards) / len(rewards),
-                "timing_s/generate": gen_s, "timing_s/batch": t1 - t0,
-                "perf/gen_tokens_per_s": tokens / max(gen_s, 1e-9), "timing/start": t0, "timing/end": t1,
-            }
-            if reload_s:
-                record["sampler/reload_s"] = reload_s
-            record["sampler/throttle_s"] = waited
-            waited = reload_s = 0.0
-            if hasattr(backend, "stats"):
-                record.update(backend.stats())
-            metrics.log(record)
-    finally:
-        writer.close()
-        metrics.flush()
-        backend.close()
-    return {"batches": batches, "policy_version": version}
+
+def _rows(batch: list[PromptRow], prompt_ids: list[list[int]], groups: list, scored: BatchScores, version: int,
+          sampler_id: str) -> tuple[list[dict], list[float], int]:
+    """Rollout records of one batch (whole groups), their rewards and generated token count."""
+    scores = iter(scored.scores)
+    rows, rewards, tokens = [], [], 0
+    now = datetime.now(timezone.utc)
+    for p, ids, group in zip(batch, prompt_ids, groups):
+        group_id = f"{p.prompt_id}-{uuid.uuid4().hex[:12]}"
+        for c in group:
+            s = next(scores)
+            rewards.append(s.reward)
+            tokens += len(c.token_ids)
+            rows.append({
+                "sample_id": uuid.uuid4().hex, "prompt_id": p.prompt_id, "group_id": group_id,
+                "data_source": p.data_source, "prompt_token_ids": ids,
+                "response_token_ids": c.token_ids, "response_text": c.text,
+                "behavior_logprobs": c.logprobs, "reward": s.reward, "token_rewards": None,
+                "reward_extra": json.dumps(s.extra) if s.extra else None,
+                "finish_reason": c.finish_reason, "policy_version": version,
+                "sampler_id": sampler_id, "created_at": now,
+                "content_hash": content_hash(ids, c.token_ids),
+                "tier": "l1", "replay_count": 0, "priority": 1.0,
+            })
+    return rows, rewards, tokens
+
+
+class Sampler:
+    """One sampler process's state: engine, policy version, prompt stream, writer, throttle."""
+
+    def __init__(self, run_url: str, sampler_id: str):
+        validate_name(sampler_id, "--sampler-id", max_len=64)
+        self.run, self.sampler_id = RunDir(run_url), sampler_id
+        self.cfg = cfg = self.run.config()
+        sc = cfg.sampler
+        set_threads(sc.threads)
+        stream_name = sampler_id.lower()
+        self.metrics = self.run.metrics(stream_name)
+        self.metrics.log({"event": "start", "sampler_id": sampler_id})
+        self.state_key = RunDir.sampler_state_marker(stream_name)
+        state = self.run.marker(self.state_key) or {}
+        prompts = load_prompts(self.run.child_url("data", "train.parquet"))
+        check_sources(cfg.reward, {p.data_source for p in prompts})
+        self.store = PolicyStore(self.run)
+        if self.store.latest() is None:
+            raise RuntimeError(f"{self.run.url}: no policy published; run `rlhf prepare` first")
+        with self.store.lease_latest(sampler_id) as lease:  # retention keeps the version until it is loaded
+            self.version = lease.version
+            self.tokenizer = load_tokenizer(lease.path)
+            prompts = _within_length(prompts, self.tokenizer, cfg.data, sampler_id, self.metrics)
+            self.backend = make_backend(sc.backend, lease.path, dtype=cfg.model.dtype, threads=sc.threads,
+                                        seed=cfg.seed + zlib.crc32(sampler_id.encode()) % 1000, options=sc.vllm,
+                                        max_batch_tokens=sc.max_batch_tokens)
+        self.buffer = ReplayBuffer(self.run.buffer_url, cfg.buffer)
+        self.writer = self.buffer.writer(sampler_id)
+        self.stream = PromptStream(prompts, cfg.seed, int(state.get("prompt_position", 0)))
+        self.params = GenParams(max_new_tokens=sc.max_new_tokens, temperature=sc.temperature, top_p=sc.top_p)
+        self.batches = int(state.get("batches", 0))
+        # Groups produced so far: the buffer's count, or, while our own last shards are still in the
+        # asynchronous writer, the count at start plus what we handed over (whichever is larger).
+        self.committed_at_start = self.buffer.committed_groups()
+        self.handed_over = 0
+        self.limiter = self.buffer.rate_limiter()
+        self.waited = self.reload_s = 0.0  # since the last logged batch
+        log.info("sampler %s: policy v%d, backend %s, %d prompts", sampler_id, self.version, sc.backend, len(prompts))
+        self.scorer = RewardScorer(cfg.reward, dtype=cfg.model.dtype)  # a rule reward's worker loads meanwhile
+
+    def reload_if_newer(self) -> None:
+        latest = self.store.latest()
+        if latest is not None and latest > self.version:
+            with self.store.lease_latest(self.sampler_id) as lease:
+                if lease.version > self.version:
+                    self.reload_s += self.backend.load_weights(lease.path)
+                    self.version = lease.version
+
+    def throttled(self) -> bool:
+        """Too far ahead of the trainer (staleness bound) or of the buffer's rate limiter."""
+        sc = self.cfg.sampler
+        produced = max(self.buffer.committed_groups(), self.committed_at_start + self.handed_over)
+        return (batch_ahead(produced, self.cfg.trainer.groups_per_step, self.version) > sc.max_staleness
+                or self.limiter.blocked_by(sc.prompts_per_batch) is not None)
+
+    def one_batch(self) -> dict:
+        """Generate, score and hand over one batch of whole groups; returns its metrics record."""
+        sc, tok = self.cfg.sampler, self.tokenizer
+        t0 = time.time()
+        batch = self.stream.take(sc.prompts_per_batch)
+        prompt_ids = [tok(render_prompt(tok, p.messages), add_special_tokens=False)["input_ids"] for p in batch]
+        groups = self.backend.generate(prompt_ids, sc.group_size, self.params)
+        gen_s = time.time() - t0
+        scored, reward_s = _score(self.scorer, batch, groups, self.metrics)
+        rows, rewards, tokens = _rows(batch, prompt_ids, groups, scored, self.version, self.sampler_id)
+        self.writer.write(to_table(rows))
+        self.handed_over += len(batch)
+        t1 = time.time()
+        self.batches += 1
+        self.run.set_marker(self.state_key, {"prompt_position": self.stream.position, "batches": self.batches})
+        record = {
+            "sampler/batch": self.batches, "sampler/policy_version": self.version, "sampler/samples": len(rows),
+            "sampler/gen_tokens": tokens, "reward/mean": sum(rewards) / len(rewards),
+            "timing_s/generate": gen_s, "timing_s/reward": reward_s, "timing_s/batch": t1 - t0,
+            **scored.metrics(),
+            "perf/gen_tokens_per_s": tokens / max(gen_s, 1e-9), "time/start": t0, "time/end": t1,
+        }
+        if self.reload_s:
+            record["timing_s/reload"] = self.reload_s
+        record["sampler/throttle_s"] = self.waited
+        self.waited = self.reload_s = 0.0
+        if hasattr(self.backend, "stats"):
+            record.update(self.backend.stats())
+        return record
+
+    def run_until_stopped(self) -> dict:
+        try:
+            while not (self.run.stop_requested() or self.run.has_marker(RunDir.TRAINER_DONE_MARKER)):
+                self.reload_if_newer()
+                if self.throttled():
+                    # wait for a newer policy, or for the trainer to use what is buffered
+                    time.sleep(self.cfg.sampler.poll_s)
+                    self.waited += self.cfg.sampler.poll_s
+                    continue
+                self.metrics.log(self.one_batch())
+        finally:
+            self.writer.close()
+            self.metrics.flush()
+            self.backend.close()
+            self.scorer.close()
+        return {"batches": self.batches, "policy_version": self.version}
+
+
+def run_sampler(run_url: str, sampler_id: str = "sampler-0") -> dict:
+    """The sampler process: runs until the stop marker or the trainer's done marker appears."""
+    return Sampler(run_url, sampler_id).run_until_stopped()

@@ -23,7 +23,8 @@ import json
 import logging
 import os
 
-from ..models import load_tokenizer, localize, set_threads
+from ..devices import MEMORY_FRACTION_ENV
+from ..models import eos_token_ids, load_tokenizer, localize, set_threads
 from .backend import Completion, GenParams, SamplerBackend
 
 CPU_ENV_DEFAULTS = {
@@ -97,6 +98,9 @@ class VLLMBackend(SamplerBackend):
             for key, value in CPU_ENV_DEFAULTS.items():
                 os.environ.setdefault(key, value)
             options.setdefault("enforce_eager", True)
+        elif os.environ.get(MEMORY_FRACTION_ENV) and "gpu_memory_utilization" not in options:
+            # the accelerator is shared with the trainer (pipeline.devices): take only our share
+            options["gpu_memory_utilization"] = float(os.environ[MEMORY_FRACTION_ENV])
         options.setdefault("use_tqdm_on_load", False)  # a progress bar per reload would flood task logs
         reload_log = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
         if not any(isinstance(f, _RotaryReloadNotice) for f in reload_log.filters):
@@ -106,7 +110,7 @@ class VLLMBackend(SamplerBackend):
 
         model_dir = localize(model_dir)
         self.tokenizer = load_tokenizer(model_dir)
-        self.eos_id = self.tokenizer.eos_token_id
+        self.eos_ids = eos_token_ids(model_dir, self.tokenizer)
         self.tied = ties_embeddings(model_dir)
         try:
             self.llm = LLM(model=model_dir, dtype=dtype, seed=seed, logprobs_mode="processed_logprobs",
@@ -142,7 +146,7 @@ class VLLMBackend(SamplerBackend):
                     "use top_p=1.0 or sampler.backend=hf"
                 )
             base = dict(n=n, temperature=params.temperature, top_p=1.0, logprobs=0)
-        common = dict(top_k=0, max_tokens=params.max_new_tokens, stop_token_ids=[self.eos_id], ignore_eos=False,
+        common = dict(top_k=0, max_tokens=params.max_new_tokens, stop_token_ids=self.eos_ids, ignore_eos=False,
                       detokenize=False, **base)
         sampling = [SamplingParams(seed=s, **common) for s in seeds]
         outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sampling, use_tqdm=False)
@@ -155,7 +159,7 @@ class VLLMBackend(SamplerBackend):
                     lps = [0.0] * len(toks)
                 else:
                     lps = [float(step[t].logprob) for step, t in zip(c.logprobs, toks)]
-                reason = "stop" if toks and toks[-1] == self.eos_id else "length"
+                reason = "stop" if toks and toks[-1] in self.eos_ids else "length"
                 group.append(Completion(token_ids=toks, logprobs=lps, finish_reason=reason,
                                         text=self.tokenizer.decode(toks, skip_special_tokens=True)))
             results.append(group)

@@ -12,8 +12,8 @@ Modules, one concept each:
     critic       the value head of PPO
     step         one optimizer step: advantages, micro-batches, accumulation, statistics
     distributed  process group, FSDP2 sharding, collectives
-    checkpoint   DCP checkpoints (checkpoints/step_<N>/{dcp,hf,meta.json}), resume, retention
-    publish      policy versions: in-phase publication, phase-boundary reshard
-    phases       phase markers, replay gates, `advance` (what an orchestrator does)
+    checkpoint   what a checkpoint holds, resume, retention (layout: pipeline.reshard.checkpoint)
+    publish      policy versions: in-phase publication, retention of old versions
+    phases       when phases end and replay epochs fall due
     loop         the persistent loop (`run_trainer`)
 """

@@ -1,14 +1,14 @@
-"""Trainer checkpoints with torch.distributed.checkpoint (DCP), in the layout the reshard code reads.
+"""The trainer's checkpoints: what it saves, how it resumes, which it keeps.
 
-    checkpoints/step_<N>/dcp/        DCP: model.<hf name> (policy), critic.<name>, optim.state.*,
-                                     sched.last_epoch, trainer.{step,cursor,replay_epochs_done,updates},
-                                     rng.torch
-    checkpoints/step_<N>/hf/         config.json, generation_config.json, tokenizer files (no weights)
-    checkpoints/step_<N>/meta.json   {"step", "world_size", "policy_version", "format": "dcp", "kind"}
+    checkpoints/step_<N>/   one checkpoint per saved step, in the layout of `pipeline.reshard.checkpoint`
+                            (its one writer, `save_dcp`): dcp/ with model.<hf name> (policy),
+                            critic.<name>, optim.state.*, sched.last_epoch,
+                            trainer.{step,cursor,replay_epochs_done,updates}, rng.torch; hf/ with the
+                            config and tokenizer; meta.json (+ "kind") written last
 
-`meta.json` is written last, atomically: a checkpoint exists only once it is there, so a trainer
-killed while saving leaves a folder that every reader ignores (and the next save of that step
-replaces). DCP stores each rank's shards and loads them at any other world size.
+A checkpoint exists only once its meta.json is there, so a trainer killed while saving leaves a
+folder that every reader ignores (and the next save of that step replaces). DCP stores each rank's
+shards and loads them at any other world size.
 
 Only tensors go into DCP (DCP reads non-tensor entries back with a full unpickler): optimizer
 hyper-parameters come from the config, every counter is an int64 tensor. Checkpoints of kind
@@ -18,26 +18,24 @@ reshard tasks read) are kept.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import tempfile
-import warnings
 from dataclasses import dataclass
 
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+from ..reshard.checkpoint import dcp_reader, read_meta, save_dcp
+from ..reshard.layout import DCP_DIR, META
 from ..runs import RunDir
-from ..storage import is_local, list_names, put_atomic, read_bytes
+from ..storage import list_names
+from ..weights import write_hf_folder
 from .critic import ActorCritic
 from .distributed import World
 
-# one process without a process group is a supported mode of DCP, not a mistake
-warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
 STEP_RE = re.compile(r"^step_(\d+)$")
-META = "meta.json"
 
 
 @dataclass
@@ -73,11 +71,9 @@ def list_checkpoints(run: RunDir) -> list[Checkpoint]:
         if not m:
             continue
         path = run.path("checkpoints", name)
-        try:
-            meta = json.loads(read_bytes(run.fs, f"{path}/{META}"))
-        except FileNotFoundError:
-            continue
-        out.append(Checkpoint(int(m.group(1)), run.child_url("checkpoints", name), path, meta))
+        meta = read_meta(run.fs, path)
+        if meta is not None:
+            out.append(Checkpoint(int(m.group(1)), run.child_url("checkpoints", name), path, meta))
     return sorted(out, key=lambda c: c.step)
 
 
@@ -111,53 +107,20 @@ def _state(actor: ActorCritic, opt, sched, st: TrainerState) -> tuple[dict, dict
     return state, osd["param_groups"]
 
 
-def _writer(fs, path: str):
-    if is_local(fs):
-        return dcp.FileSystemWriter(path)
-    from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
-
-    return FsspecWriter(fs.unstrip_protocol(path))
-
-
-def _reader(fs, path: str):
-    if is_local(fs):
-        return dcp.FileSystemReader(path)
-    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
-
-    return FsspecReader(fs.unstrip_protocol(path))
-
-
-def _write_hf_meta(run: RunDir, folder: str, model, tokenizer) -> None:
-    with tempfile.TemporaryDirectory(prefix="ckpt-hf-") as tmp:
-        model.config.save_pretrained(tmp)
-        if getattr(model, "generation_config", None) is not None:
-            model.generation_config.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-        for name in sorted(os.listdir(tmp)):
-            put_atomic(run.fs, f"{folder}/{name}", open(os.path.join(tmp, name), "rb").read())
-
-
 def save_checkpoint(run: RunDir, actor: ActorCritic, opt, sched, st: TrainerState, tokenizer, world: World,
                     kind: str = "periodic", keep: int = 2) -> Checkpoint:
     """Save `st.step`'s checkpoint (collective: every rank calls it). Idempotent for a complete one."""
-    path = checkpoint_dir(run, st.step)
+    state, _ = _state(actor, opt, sched, st)
+    policy = actor.policy
     url = run.child_url("checkpoints", f"step_{st.step}")
-    done = run.fs.exists(f"{path}/{META}")
-    if not done:
-        if world.is_main and run.fs.exists(path):
-            run.fs.rm(path, recursive=True)  # the remains of a save that was killed
-        world.barrier()
-        state, _ = _state(actor, opt, sched, st)
-        dcp.save(state, storage_writer=_writer(run.fs, f"{path}/dcp"))
-        if world.is_main:
-            _write_hf_meta(run, f"{path}/hf", actor.policy, tokenizer)
-            meta = {"step": st.step, "world_size": world.size, "policy_version": st.step, "format": "dcp", "kind": kind}
-            put_atomic(run.fs, f"{path}/{META}", json.dumps(meta, indent=1).encode())  # the commit point
-        world.barrier()
+    with tempfile.TemporaryDirectory(prefix="ckpt-hf-") as tmp:
+        hf = os.path.join(tmp, "hf")
+        write_hf_folder(hf, config=policy.config, tokenizer=tokenizer,
+                        generation_config=getattr(policy, "generation_config", None))
+        meta = save_dcp(state, url, hf, step=st.step, world_size=world.size, policy_version=st.step, kind=kind)
     if world.is_main:
         prune(run, keep)
-    meta = json.loads(read_bytes(run.fs, f"{path}/{META}"))
-    return Checkpoint(st.step, url, path, meta)
+    return Checkpoint(st.step, url, checkpoint_dir(run, st.step), meta)
 
 
 def prune(run: RunDir, keep: int) -> list[int]:
@@ -189,7 +152,7 @@ def load_checkpoint(ck: Checkpoint, actor: ActorCritic, opt, sched) -> TrainerSt
     if "critic" in state and not _has_critic(ck):
         raise ValueError(f"{ck.url}: checkpoint has no critic but trainer.algorithm needs one; "
                          "resume with the algorithm it was saved with or start a new run")
-    dcp.load(state, storage_reader=_reader(_fs_of(ck), f"{ck.path}/dcp"))
+    dcp.load(state, storage_reader=dcp_reader(f"{ck.url}/{DCP_DIR}"))
     msd = {f"policy.{k}": v for k, v in state["model"].items()}
     msd.update({f"critic.{k}": v for k, v in state.get("critic", {}).items()})
     set_state_dict(actor, opt, model_state_dict=msd,
@@ -207,30 +170,6 @@ def load_checkpoint(ck: Checkpoint, actor: ActorCritic, opt, sched) -> TrainerSt
                         replay_epochs_done=int(t["replay_epochs_done"]), updates=int(t["updates"]))
 
 
-def _fs_of(ck: Checkpoint):
-    from ..storage import url_to_fs
-
-    return url_to_fs(ck.url)[0]
-
-
 def _has_critic(ck: Checkpoint) -> bool:
-    md = _reader(_fs_of(ck), f"{ck.path}/dcp").read_metadata()
+    md = dcp_reader(f"{ck.url}/{DCP_DIR}").read_metadata()
     return any(k.startswith("critic.") for k in md.state_dict_metadata)
-
-
-def load_model_weights(checkpoint_url: str) -> dict[str, torch.Tensor]:
-    """The policy's full weights {hf name: tensor} from a checkpoint (one process, any saved world size)."""
-    from ..storage import url_to_fs
-
-    fs, path = url_to_fs(checkpoint_url)
-    reader = _reader(fs, f"{path}/dcp")
-    md = reader.read_metadata()
-    template = {}
-    for key, item in md.state_dict_metadata.items():
-        if key.startswith("model.") and hasattr(item, "size"):
-            template[key[len("model."):]] = torch.empty(tuple(item.size), dtype=item.properties.dtype)
-    if not template:
-        raise ValueError(f"{checkpoint_url}: no 'model.*' entries; not a trainer checkpoint")
-    state = {"model": template}
-    dcp.load(state, storage_reader=_reader(fs, f"{path}/dcp"))
-    return state["model"]

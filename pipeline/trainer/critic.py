@@ -23,7 +23,8 @@ class ValueHead(nn.Module):
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         """h [B, T, H] -> values [B, T]."""
-        return self.out(torch.tanh(self.fc(h.detach()))).squeeze(-1)
+        h = h.detach().to(self.fc.weight.dtype)  # the trunk may compute in bf16; the head in fp32
+        return self.out(torch.tanh(self.fc(h))).squeeze(-1)
 
 
 class ActorCritic(nn.Module):

@@ -86,16 +86,18 @@ def decoder_layers(model) -> list[torch.nn.Module]:
     return list(layers) if layers is not None else []
 
 
-def shard(module: torch.nn.Module, world: World, policy: bool = True) -> torch.nn.Module:
-    """FSDP2: shard each decoder layer and then the module itself (a no-op in one process)."""
+def shard(module: torch.nn.Module, world: World, policy: bool = True, mp_policy=None) -> torch.nn.Module:
+    """FSDP2: shard each decoder layer and then the module itself (a no-op in one process).
+    `mp_policy`: a MixedPrecisionPolicy (compute dtype for gathered parameters, fp32 reduction)."""
     if not world.distributed:
         return module
     from torch.distributed.fsdp import fully_shard
 
+    kw = {"mesh": world.mesh, **({"mp_policy": mp_policy} if mp_policy is not None else {})}
     if policy:
         for layer in decoder_layers(module):
-            fully_shard(layer, mesh=world.mesh)
-    fully_shard(module, mesh=world.mesh)
+            fully_shard(layer, **kw)
+    fully_shard(module, **kw)
     return module
 
 

@@ -29,6 +29,7 @@ import torch
 
 from ..buffer import ReplayBuffer
 from ..models import load_model, load_tokenizer, set_threads
+from ..orchestration import replay_gate_min_groups, replay_gate_ready
 from ..policy import PolicyStore
 from ..runs import RunDir
 from .algorithms import get_algorithm
@@ -36,8 +37,9 @@ from .batch import collate
 from .checkpoint import TrainerState, latest_checkpoint, load_checkpoint, save_checkpoint
 from .critic import ActorCritic, ValueHead
 from .distributed import World, init_world, shard
-from .phases import phase_done_marker, phase_end_steps, replay_epoch_steps, replay_gate_marker
+from .phases import phase_end_steps, replay_epoch_steps
 from .publish import prune_policies, publish_policy
+from .precision import Precision
 from .step import train_step
 
 log = logging.getLogger("rlhf.trainer")
@@ -83,12 +85,13 @@ def wait_for_groups(buffer: ReplayBuffer, run: RunDir, cursor: dict | None, grou
 
 def wait_for_gate(run: RunDir, epoch: int, poll_s: float, timeout_s: float) -> float:
     t0 = time.time()
-    while not run.has_marker(replay_gate_marker(epoch)):
+    while not run.has_marker(RunDir.replay_gate_marker(epoch)):
         if run.stop_requested():
             raise TrainerStopped()
         if time.time() - t0 > timeout_s:
             raise TimeoutError(f"replay gate {epoch} stayed closed for {timeout_s:.0f}s; the orchestrator opens it "
-                               f"(markers/{replay_gate_marker(epoch)}.json) once L2 holds enough eligible groups")
+                               f"(markers/{RunDir.replay_gate_marker(epoch)}.json) once L2 holds enough "
+                               "eligible groups")
         time.sleep(poll_s)
     return time.time() - t0
 
@@ -96,9 +99,9 @@ def wait_for_gate(run: RunDir, epoch: int, poll_s: float, timeout_s: float) -> f
 def check_config(cfg) -> None:
     tc = cfg.trainer
     get_algorithm(tc.algorithm)
-    if tc.replay_epochs and cfg.buffer.num_epochs_per_sample == 0:
-        raise ValueError(f"trainer.replay_epochs={tc.replay_epochs} but buffer.num_epochs_per_sample=0: nothing "
-                         "would ever be eligible; set buffer.num_epochs_per_sample >= 1 or trainer.replay_epochs=0")
+    if tc.replay_epochs and cfg.buffer.max_replays_per_group == 0:
+        raise ValueError(f"trainer.replay_epochs={tc.replay_epochs} but buffer.max_replays_per_group=0: nothing "
+                         "would ever be eligible; set buffer.max_replays_per_group >= 1 or trainer.replay_epochs=0")
 
 
 def rollback_metrics(run: RunDir, step: int) -> None:
@@ -107,6 +110,24 @@ def rollback_metrics(run: RunDir, step: int) -> None:
     keep = [r for r in records if r.get("step", 0) <= step]
     if len(keep) != len(records):
         run.metrics("trainer").replace(keep)
+
+
+def build_models(base: str, cfg, world: World, precision: Precision, critic: bool = False):
+    """(actor, reference or None). The policy (and critic) are float32 master weights that compute
+    in `precision.dtype`; the reference model, never updated, is loaded in that dtype directly."""
+    tc = cfg.trainer
+    policy = load_model(base, "float32").to(world.device).train()
+    if tc.gradient_checkpointing:
+        policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        policy.config.use_cache = False
+    head = ValueHead(policy.config.hidden_size).to(world.device) if critic else None
+    mp = precision.mp_policy()
+    policy = shard(precision.wrap(policy), world, mp_policy=mp)
+    head = shard(head, world, policy=False) if head is not None else None  # small: computes in fp32
+    ref = None
+    if tc.kl_coef > 0:
+        ref = shard(load_model(base, cfg.model.dtype).to(world.device).eval().requires_grad_(False), world)
+    return ActorCritic(policy, head), ref
 
 
 class Trainer:
@@ -121,12 +142,9 @@ class Trainer:
         self.store = PolicyStore(run)
         base = self.store.local_dir(0)
         self.tokenizer = load_tokenizer(base)
-        policy = load_model(base, cfg.model.dtype).to(world.device).train()
-        critic = ValueHead(policy.config.hidden_size).to(world.device) if self.algo.critic else None
-        self.actor = ActorCritic(shard(policy, world), shard(critic, world, policy=False) if critic else None)
-        self.ref = None
-        if tc.kl_coef > 0:
-            self.ref = shard(load_model(base, cfg.model.dtype).to(world.device).eval().requires_grad_(False), world)
+        self.precision = Precision.of(cfg.model.dtype, world.device, sharded=world.distributed)
+        self.actor, self.ref = build_models(base, cfg, world, self.precision, critic=self.algo.critic)
+        policy, critic = self.actor.policy, self.actor.critic
         groups = [{"params": list(policy.parameters()), "lr": tc.lr}]
         if critic is not None:
             groups.append({"params": list(critic.parameters()), "lr": tc.critic_lr or tc.lr})
@@ -155,7 +173,7 @@ class Trainer:
         batch = collate(table, self.tokenizer.pad_token_id)
         version = st.step
         res = train_step(self.actor, self.ref, self.opt, batch, tc, self.cfg.sampler.temperature, world=world,
-                         scheduler=self.sched, version=version)
+                         scheduler=self.sched, version=version, precision=self.precision)
         st.step += 1
         st.updates += tc.update_epochs
         st.cursor = (int(cursor["seq"]), int(cursor["group"]))
@@ -182,7 +200,7 @@ class Trainer:
             "reward/mean": batch.rewards.mean().item(), "reward/std": batch.rewards.std().item() if len(batch.rewards) > 1 else 0.0,
             "actor/loss": res.loss, "trainer/samples": samples, "trainer/tokens": batch.num_tokens,
             "trainer/response_tokens": batch.response_tokens, "perf/tokens_per_s": batch.num_tokens / max(t1 - t0, 1e-9),
-            "timing_s/step": t1 - t0, "timing_s/wait": waited, "timing/start": t0, "timing/end": t1,
+            "timing_s/step": t1 - t0, "timing_s/wait": waited, "time/start": t0, "time/end": t1,
             "replay/fraction": self.replayed_samples / total if total else 0.0,
             "actor/lr": self.opt.param_groups[0]["lr"], **res.stats, **extra,
         }
@@ -204,7 +222,7 @@ class Trainer:
                 break
             batch = collate(rb.table, self.tokenizer.pad_token_id, rb.weights)
             res = train_step(self.actor, self.ref, self.opt, batch, self.tc, self.cfg.sampler.temperature,
-                             world=world, scheduler=self.sched, version=None)
+                             world=world, scheduler=self.sched, version=None, precision=self.precision)
             st.updates += tc.update_epochs
             if world.is_main:
                 index = {g: k for k, g in enumerate(batch.group_ids)}
@@ -222,16 +240,17 @@ class Trainer:
         return done
 
     def due_replay_epochs(self, replay_at: list[int]) -> None:
-        """Run the replay epochs due by now. An epoch whose L2 holds less than one step of eligible
-        groups is deferred to a later step rather than waited for (only fresh steps add to L2, so
-        waiting would never end); at the last step it is skipped."""
+        """Run the replay epochs due by now. An epoch whose gate condition does not hold (L2 holds
+        less than one step of eligible groups, `orchestration.replay_gate_ready`) is deferred to a
+        later step rather than waited for (only fresh steps add to L2, so waiting would never end);
+        at the last step it is skipped."""
         tc, st = self.tc, self.state
         for e in range(st.replay_epochs_done, tc.replay_epochs):
             if replay_at[e] > st.step:
                 break
             self.world.barrier()  # rank 0's promote is committed: every rank counts the same L2
             eligible = self.buffer.eligible_replay_groups()
-            if eligible < tc.groups_per_step:
+            if not replay_gate_ready(eligible, replay_gate_min_groups(self.cfg)):
                 if st.step < tc.steps:
                     break
                 log.info("replay epoch %d skipped: %d eligible groups < trainer.groups_per_step", e, eligible)
@@ -260,12 +279,13 @@ class Trainer:
                     ck = save_checkpoint(run, self.actor, self.opt, self.sched, st, self.tokenizer, world,
                                          kind="phase", keep=tc.keep_checkpoints)
                     if world.is_main:
-                        run.set_marker(phase_done_marker(phase_ends[st.step]), {"step": st.step, "checkpoint": ck.url})
+                        run.set_marker(RunDir.phase_done_marker(phase_ends[st.step]),
+                                       {"step": st.step, "checkpoint": ck.url})
                 elif tc.checkpoint_every and st.step % tc.checkpoint_every == 0:
                     save_checkpoint(run, self.actor, self.opt, self.sched, st, self.tokenizer, world,
                                     kind="periodic", keep=tc.keep_checkpoints)
                 if st.step not in phase_ends and st.step % tc.sync_every == 0:
-                    publish_policy(run, st.step, self.actor, self.tokenizer, world)
+                    publish_policy(run, st.step, self.actor, self.tokenizer, world, dtype=self.precision.dtype)
                     if world.is_main:
                         prune_policies(self.store, tc)
                 if world.is_main and (st.step % tc.log_every == 0 or st.step == tc.steps):
@@ -277,7 +297,8 @@ class Trainer:
             self.metrics.flush()
         if st.step >= tc.steps and world.is_main:
             # orchestrators stop waiting on the gates of skipped epochs (they will never open)
-            run.set_marker("trainer_done", {"step": st.step, "replay_epochs_skipped": self.skipped_epochs})
+            run.set_marker(RunDir.TRAINER_DONE_MARKER,
+                           {"step": st.step, "replay_epochs_skipped": self.skipped_epochs})
         return {"step": st.step, "updates": st.updates}
 
 

@@ -1,8 +1,9 @@
 """The one place where Airflow code reads a run directory.
 
 Sensors, triggers and the dashboard all ask the same questions of a run (has phase k finished?
-how many replay groups are eligible? what do the curves look like?). They ask them here, so the
-marker names and the engine calls live in one module. Every method is synchronous and does
+is replay gate e ready? what do the curves look like?). They ask them here, and the hook answers
+with the engine's own functions: marker names from `RunDir`, the run's steps (the replay-gate
+condition among them) from `pipeline.orchestration`. Every method is synchronous and does
 blocking fsspec I/O: triggers call them through `asyncio.to_thread`.
 """
 
@@ -12,30 +13,14 @@ from typing import Any
 
 from airflow.sdk import BaseHook
 
-STOP_MARKER = "stop"
-TRAINER_DONE_MARKER = "trainer_done"
 # Metric keys plotted by the dashboard: (x key, y keys) per kind of metrics stream.
 CURVES = {
     "trainer": ("step", ("reward/mean", "reward/std", "actor/loss", "actor/entropy", "perf/tokens_per_s",
                          "staleness/mean", "staleness/max", "replay/fraction")),
     "sampler": ("sampler/batch", ("reward/mean", "perf/gen_tokens_per_s", "sampler/policy_version",
-                                  "sampler/reload_ms")),
+                                  "timing_s/reload")),
 }
 MAX_POINTS = 400
-
-
-def phase_done_marker(phase: int) -> str:
-    """Written by the trainer when the checkpoint closing phase `phase` is complete."""
-    from pipeline.trainer.phases import phase_done_marker as name  # the engine owns the contract
-
-    return name(phase)
-
-
-def replay_gate_marker(epoch: int) -> str:
-    """Written by the replay-gate sensor; the trainer waits for it before replay epoch `epoch`."""
-    from pipeline.trainer.phases import replay_gate_marker as name
-
-    return name(epoch)
 
 
 def run_attempt(context) -> int | None:
@@ -86,10 +71,42 @@ class RunDirHook(BaseHook):
         self.run.fs.invalidate_cache()
         return self.run.stop_requested(attempt)
 
+    def phase_done(self, phase: int) -> dict | None:
+        """The marker of the checkpoint closing phase `phase` ({"step", "checkpoint"}), or None."""
+        return self.marker(self.run.phase_done_marker(phase))
+
+    # replay gates (the engine's steps: pipeline.orchestration) ----------------------------------
+    def replay_gate_min_groups(self) -> int:
+        from pipeline.orchestration import replay_gate_min_groups
+
+        return replay_gate_min_groups(self.run.config())
+
+    def replay_gate(self, epoch: int, min_groups: int | None = None) -> dict:
+        """Where replay gate `epoch` stands (reads only): see `orchestration.check_replay_gate`."""
+        from pipeline.orchestration import check_replay_gate
+
+        self.run.fs.invalidate_cache()
+        return check_replay_gate(self.run, epoch, min_groups)
+
+    def poll_replay_gate(self, epoch: int) -> dict:
+        """Look at replay gate `epoch` and open it if it is ready: `orchestration.poll_replay_gate`."""
+        from pipeline.orchestration import poll_replay_gate
+
+        self.run.fs.invalidate_cache()
+        return poll_replay_gate(self.run, epoch)
+
+    def open_replay_gate(self, epoch: int, eligible: int | None) -> dict:
+        from pipeline.orchestration import open_replay_gate
+
+        self.run.fs.invalidate_cache()
+        return open_replay_gate(self.run, epoch, eligible)
+
     def replay_epoch_skipped(self, epoch: int) -> bool:
         """True when the trainer finished without replay epoch `epoch` (too few eligible groups)."""
-        done = self.marker(TRAINER_DONE_MARKER) or {}
-        return int(epoch) in {int(e) for e in done.get("replay_epochs_skipped", [])}
+        from pipeline.orchestration import replay_epoch_skipped
+
+        self.run.fs.invalidate_cache()
+        return replay_epoch_skipped(self.run, epoch)
 
     def request_stop(self, reason: str) -> None:
         if not self.run.stop_requested():
@@ -100,10 +117,6 @@ class RunDirHook(BaseHook):
         from pipeline.buffer import ReplayBuffer
 
         return ReplayBuffer(self.run.buffer_url, self.run.config().buffer)
-
-    def eligible_replay_groups(self) -> int:
-        """Groups in L2 that may be replayed now (the replay gate's measure)."""
-        return int(self.buffer().eligible_replay_groups())
 
     def buffer_stats(self) -> dict | None:
         try:
@@ -147,11 +160,13 @@ class RunDirHook(BaseHook):
         names = set(self.run.markers())
         out = []
         for k in range(n_phases):
-            m = self.run.marker(phase_done_marker(k)) if phase_done_marker(k) in names else None
+            name = self.run.phase_done_marker(k)
+            m = self.run.marker(name) if name in names else None
             out.append({"kind": "phase", "index": k, "done": m is not None,
                         "step": (m or {}).get("step"), "checkpoint": (m or {}).get("checkpoint")})
         for e in range(n_epochs):
-            m = self.run.marker(replay_gate_marker(e)) if replay_gate_marker(e) in names else None
+            name = self.run.replay_gate_marker(e)
+            m = self.run.marker(name) if name in names else None
             out.append({"kind": "replay_gate", "index": e, "done": m is not None,
                         "eligible": (m or {}).get("eligible")})
         return out
@@ -176,7 +191,7 @@ class RunDirHook(BaseHook):
             },
             "markers": sorted(run.markers()),
             "stopped": run.stop_requested(),
-            "trainer_done": run.has_marker(TRAINER_DONE_MARKER),
+            "trainer_done": run.has_marker(run.TRAINER_DONE_MARKER),
             "phases": self.phases(),
             "policy": {"latest": latest, "versions": policy.versions(),
                        "manifest": policy.manifest(latest) if latest is not None else None},

@@ -1,5 +1,5 @@
-from plugins.operators.process import SupervisedProcessOperator, stop_process_group
+from plugins.operators.process import SupervisedProcessOperator
 from plugins.operators.finalize import FinalizeRunOperator
 from plugins.operators.rlhf import RlhfProcessOperator, engine_command
 
-__all__ = ["FinalizeRunOperator", "RlhfProcessOperator", "SupervisedProcessOperator", "engine_command", "stop_process_group"]
+__all__ = ["FinalizeRunOperator", "RlhfProcessOperator", "SupervisedProcessOperator", "engine_command"]

@@ -22,14 +22,13 @@ group of the previous try instead of running two trainers on one run. A process 
 once the machine or the container restarted (the same pid and hostname come back for a stranger),
 so the record also holds the kernel's boot id and the group leader's start time, and the retry
 kills the group only when the host, the boot id and the start time of the live process with that
-pid all match. Where /proc is missing (not Linux) nothing is verifiable and nothing is killed.
+pid all match (`pipeline.processes`). Where /proc is missing (not Linux) nothing is verifiable and
+nothing is killed.
 """
 
 from __future__ import annotations
 
 import os
-import signal
-import socket
 import subprocess
 import time
 from collections import deque
@@ -37,6 +36,8 @@ from typing import Any, Mapping, Sequence
 
 from airflow.sdk import BaseOperator
 from airflow.sdk.exceptions import AirflowException
+
+from pipeline.processes import identity_mismatch, process_identity, stop_group
 
 # Thread defaults for the child: several busy processes share the machine's cores.
 THREAD_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
@@ -85,72 +86,6 @@ def engine_environment(worker_env: Mapping[str, str], extra: Mapping[str, Any] |
     """
     kept = {k: v for k, v in worker_env.items() if _allowed(k, pass_env) and not _denied(k)}
     return {**THREAD_ENV, **kept, **QUIET_ENV, **{k: str(v) for k, v in (extra or {}).items()}}
-
-
-def boot_id() -> str | None:
-    """The kernel's id of the current boot; it changes when the machine restarts."""
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            return f.read().strip() or None
-    except OSError:
-        return None
-
-
-def process_start_ticks(pid: int) -> int | None:
-    """Start time of process `pid` in clock ticks since boot (field 22 of /proc/<pid>/stat)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            stat = f.read()
-    except OSError:
-        return None
-    # Field 2 (the command name, in parentheses) may hold spaces and ')': split after the last one.
-    fields = stat.rsplit(")", 1)[-1].split()
-    try:
-        return int(fields[22 - 3])  # fields[0] is field 3 (the state)
-    except (IndexError, ValueError):
-        return None
-
-
-def process_identity(pid: int) -> dict:
-    """What tells the process `pid` apart from a later one that got the same pid."""
-    return {"host": socket.gethostname(), "boot_id": boot_id(), "start_ticks": process_start_ticks(pid)}
-
-
-def orphan_mismatch(record: Mapping[str, Any]) -> str | None:
-    """Why the live process with the recorded pgid is not the recorded group leader (None: it is)."""
-    pgid = record.get("pgid")
-    if not pgid:
-        return "no process group recorded"
-    live = process_identity(int(pgid))
-    for key in ("host", "boot_id", "start_ticks"):
-        if record.get(key) is None:
-            return f"the record has no {key}, so process {pgid} cannot be identified"
-        if live[key] is None:
-            return (f"process {pgid} is gone (its group, if any is left, cannot be identified)"
-                    if key == "start_ticks" else f"{key} of this machine is unknown")
-        if live[key] != record[key]:
-            return f"{key} differs: recorded {record[key]!r}, live process {pgid} has {live[key]!r}"
-    return None
-
-
-def stop_process_group(pgid: int, grace_s: float = 30.0) -> bool:
-    """SIGTERM the group, wait up to `grace_s` for it to go, then SIGKILL. True if it existed."""
-    try:
-        os.killpg(pgid, signal.SIGTERM)
-    except ProcessLookupError:
-        return False
-    deadline = time.monotonic() + grace_s
-    while time.monotonic() < deadline:
-        try:
-            os.killpg(pgid, 0)
-        except ProcessLookupError:
-            return True
-        time.sleep(0.2)
-    try:
-        os.killpg(pgid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    return True
 
 
 class SupervisedProcessOperator(BaseOperator):
@@ -209,11 +144,11 @@ class SupervisedProcessOperator(BaseOperator):
             return
         if not previous or not previous.get("pgid"):
             return
-        why = orphan_mismatch(previous)
+        why = identity_mismatch(previous)
         if why is not None:
             self.log.info("not stopping process group %s recorded by a previous try: %s", previous["pgid"], why)
             return
-        if stop_process_group(int(previous["pgid"]), self.kill_grace_s):
+        if stop_group(int(previous["pgid"]), self.kill_grace_s):
             self.log.warning("stopped process group %s left by a previous try", previous["pgid"])
 
     def _remember(self, context, pgid: int | None) -> None:
@@ -233,7 +168,7 @@ class SupervisedProcessOperator(BaseOperator):
         if try_number > 1:
             self._stop_orphan(context)
             self.on_retry_start(context)
-        env = engine_environment(os.environ, self.env, self.pass_env)
+        env = engine_environment(os.environ, {**self.process_environment(context), **(self.env or {})}, self.pass_env)
         self.log.info("starting (try %s): %s", try_number, " ".join(argv))
         tail: deque[str] = deque(maxlen=self.tail_lines)
         started = time.monotonic()
@@ -254,7 +189,7 @@ class SupervisedProcessOperator(BaseOperator):
             # interrupts the loop above: never leave the group behind.
             if self._proc.poll() is None:
                 self.log.warning("stopping process group %s", self._proc.pid)
-            stop_process_group(self._proc.pid, self.kill_grace_s)
+            stop_group(self._proc.pid, self.kill_grace_s)
             self._remember(context, None)
         elapsed = round(time.monotonic() - started, 1)
         if code != 0:
@@ -263,7 +198,11 @@ class SupervisedProcessOperator(BaseOperator):
         self.log.info("finished in %ss", elapsed)
         return {"returncode": code, "elapsed_s": elapsed}
 
+    def process_environment(self, context) -> dict[str, str]:
+        """Variables a subclass sets for the process (before the operator's own `env`)."""
+        return {}
+
     def on_kill(self) -> None:
         if self._proc is not None and self._proc.poll() is None:
             self.log.warning("task killed: stopping process group %s", self._proc.pid)
-            stop_process_group(self._proc.pid, self.kill_grace_s)
+            stop_group(self._proc.pid, self.kill_grace_s)

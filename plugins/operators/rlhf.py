@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from typing import Any, Sequence
 
 from airflow.sdk.exceptions import AirflowFailException
 
-from plugins.hooks.run_dir import TRAINER_DONE_MARKER, run_attempt
+from plugins.hooks.run_dir import run_attempt
 from plugins.operators.process import SupervisedProcessOperator
 
 ROLES = ("sampler", "trainer", "finalize")
@@ -15,11 +16,13 @@ ROLES = ("sampler", "trainer", "finalize")
 LOOP_ROLES = ("sampler", "trainer")
 
 
-def engine_command(role: str, run_url: str, extra_args: Sequence[str] = ()) -> list[str]:
+def engine_command(role: str, run_url: str, extra_args: Sequence[str] = (), nproc: int = 1) -> list[str]:
     """argv that runs one engine role with the worker's own interpreter (same environment)."""
+    from pipeline.runner import engine_argv
+
     if role not in ROLES:
         raise ValueError(f"role {role!r}: choose one of {', '.join(ROLES)}")
-    return [sys.executable, "-m", "pipeline", role, "--run-dir", run_url, *map(str, extra_args)]
+    return engine_argv(role, run_url, nproc, extra_args)
 
 
 class RlhfProcessOperator(SupervisedProcessOperator):
@@ -47,7 +50,14 @@ class RlhfProcessOperator(SupervisedProcessOperator):
         self.extra_args = extra_args
 
     def build_command(self, context) -> list[str]:
-        return engine_command(self.role, self.run_url, self.extra_args)
+        nproc = 1
+        if self.role == "trainer":  # one rank per trainer accelerator of this worker (pipeline.devices)
+            from pipeline.devices import trainer_ranks
+            from pipeline.runs import RunDir
+
+            cfg = RunDir(self.run_url).config()
+            nproc = trainer_ranks(cfg.devices, cfg.trainer.nproc_per_node, os.environ)
+        return engine_command(self.role, self.run_url, self.extra_args, nproc)
 
     def execute(self, context) -> dict:
         if self.role in LOOP_ROLES:
@@ -75,11 +85,22 @@ class RlhfProcessOperator(SupervisedProcessOperator):
 
         run = RunDir(self.run_url)
         stop = run.stop_marker(run_attempt(context))
-        if stop is not None and stop.get("attempt") is not None and not run.has_marker(TRAINER_DONE_MARKER):
+        if stop is not None and stop.get("attempt") is not None and not run.has_marker(run.TRAINER_DONE_MARKER):
             raise AirflowFailException(
                 f"the sampler stopped because the {stop.get('reason') or 'run was stopped'}, and the run is not "
                 "finished; clear this DAG run's failed tasks (or the whole run) to resume it from the trainer's "
                 "last checkpoint")
+
+    def process_environment(self, context) -> dict[str, str]:
+        """The accelerators of this role on this worker (`pipeline.devices`): the sampler and the
+        trainer of a run never both take `cuda:0`."""
+        from pipeline.devices import role_environment
+        from pipeline.runs import RunDir
+
+        env = role_environment(self.role, RunDir(self.run_url).config().devices, os.environ)
+        if env:
+            self.log.info("%s devices: %s", self.role, env)
+        return env
 
     def on_retry_start(self, context) -> None:
         self.log.info("retry: %s resumes from the run directory %s", self.role, self.run_url)

@@ -15,7 +15,7 @@ from typing import Any
 from airflow.sdk import BaseSensorOperator, PokeReturnValue
 from airflow.sdk.exceptions import AirflowException, AirflowSkipException
 
-from plugins.hooks.run_dir import RunDirHook, phase_done_marker, replay_gate_marker, run_attempt
+from plugins.hooks.run_dir import RunDirHook, run_attempt
 from plugins.triggers.run_dir import ReplayGateTrigger, RunMarkerTrigger
 
 
@@ -45,7 +45,7 @@ class PhaseCheckpointSensor(BaseSensorOperator):
                 "run_url": self.run_url}
 
     def poke(self, context) -> PokeReturnValue:
-        payload = RunDirHook(self.run_url).marker(phase_done_marker(int(self.phase)))
+        payload = RunDirHook(self.run_url).phase_done(int(self.phase))
         if payload is None:
             return PokeReturnValue(is_done=False)
         return PokeReturnValue(is_done=True, xcom_value=self._result(payload))
@@ -57,8 +57,9 @@ class PhaseCheckpointSensor(BaseSensorOperator):
         if ready:
             return ready.xcom_value
         self.log.info("phase %s of %s not finished yet; deferring", self.phase, self.run_url)
+        marker = RunDirHook(self.run_url).run.phase_done_marker(int(self.phase))
         self.defer(
-            trigger=RunMarkerTrigger(run_url=self.run_url, marker=phase_done_marker(int(self.phase)),
+            trigger=RunMarkerTrigger(run_url=self.run_url, marker=marker,
                                      poke_interval=self.poke_interval, attempt=run_attempt(context)),
             method_name="execute_complete",
             timeout=timedelta(seconds=self.timeout),
@@ -72,48 +73,34 @@ class PhaseCheckpointSensor(BaseSensorOperator):
 
 
 class ReplayGateSensor(BaseSensorOperator):
-    """Opens replay epoch `epoch` once L2 holds at least `min_groups` eligible groups.
+    """Opens replay epoch `epoch` once the engine's replay-gate condition holds
+    (`pipeline.orchestration.replay_gate_ready`: L2 holds at least one optimizer step's worth,
+    `trainer.groups_per_step`, of eligible groups; the trainer defers an epoch on the same test).
 
-    Opening means writing `markers/replay_gate_<epoch>.open`, which the trainer waits for. The
-    threshold defaults to one optimizer step's worth of groups (`trainer.groups_per_step`).
+    Opening means writing the marker `RunDir.replay_gate_marker(epoch)`, which the trainer waits for.
+    Returns (XCom) `{"epoch", "eligible"}`.
     """
 
-    template_fields = ("run_url", "epoch", "min_groups")
+    template_fields = ("run_url", "epoch")
 
-    def __init__(self, *, run_url: str, epoch: int | str, min_groups: int | str | None = None,
-                 deferrable: bool = True, **kwargs: Any) -> None:
+    def __init__(self, *, run_url: str, epoch: int | str, deferrable: bool = True, **kwargs: Any) -> None:
         kwargs.setdefault("retries", 1)
         super().__init__(**kwargs)
         self.run_url = run_url
         self.epoch = epoch
-        self.min_groups = min_groups
         self.deferrable = deferrable
-
-    def _threshold(self, hook: RunDirHook) -> int:
-        if self.min_groups not in (None, ""):
-            return int(self.min_groups)
-        return int(hook.run.config().trainer.groups_per_step)
-
-    def _open(self, hook: RunDirHook, eligible: int | None) -> dict:
-        gate = replay_gate_marker(int(self.epoch))
-        if hook.marker(gate) is None:
-            hook.set_marker(gate, {"eligible": eligible, "epoch": int(self.epoch)})
-            self.log.info("replay epoch %s opened with %s eligible groups", self.epoch, eligible)
-        return {"epoch": int(self.epoch), "eligible": eligible}
 
     def poke(self, context) -> PokeReturnValue:
         hook = RunDirHook(self.run_url)
-        existing = hook.marker(replay_gate_marker(int(self.epoch)))
-        if existing is not None:
-            return PokeReturnValue(is_done=True, xcom_value={"epoch": int(self.epoch),
-                                                             "eligible": existing.get("eligible")})
-        eligible = hook.eligible_replay_groups()
-        if eligible < self._threshold(hook):
-            if hook.replay_epoch_skipped(int(self.epoch)):
-                raise AirflowSkipException(f"the trainer finished without replay epoch {self.epoch} "
-                                           f"({eligible} eligible groups)")
-            return PokeReturnValue(is_done=False)
-        return PokeReturnValue(is_done=True, xcom_value=self._open(hook, eligible))
+        gate = hook.poll_replay_gate(int(self.epoch))
+        if gate["open"]:
+            if gate["opened_now"]:
+                self.log.info("replay epoch %s opened with %s eligible groups", self.epoch, gate["eligible"])
+            return PokeReturnValue(is_done=True, xcom_value={"epoch": gate["epoch"], "eligible": gate["eligible"]})
+        if hook.replay_epoch_skipped(int(self.epoch)):
+            raise AirflowSkipException(f"the trainer finished without replay epoch {self.epoch} "
+                                       f"({gate['eligible']} eligible groups)")
+        return PokeReturnValue(is_done=False)
 
     def execute(self, context) -> Any:
         if not self.deferrable:
@@ -124,7 +111,7 @@ class ReplayGateSensor(BaseSensorOperator):
         hook = RunDirHook(self.run_url)
         self.defer(
             trigger=ReplayGateTrigger(run_url=self.run_url, epoch=int(self.epoch),
-                                      min_groups=self._threshold(hook), poke_interval=self.poke_interval,
+                                      min_groups=hook.replay_gate_min_groups(), poke_interval=self.poke_interval,
                                       attempt=run_attempt(context)),
             method_name="execute_complete",
             timeout=timedelta(seconds=self.timeout),
@@ -134,4 +121,6 @@ class ReplayGateSensor(BaseSensorOperator):
         if event and event.get("status") == "skipped":
             raise AirflowSkipException(event["message"])
         event = _raise_on_error(event)
-        return self._open(RunDirHook(self.run_url), event.get("eligible"))
+        opened = RunDirHook(self.run_url).open_replay_gate(int(self.epoch), event.get("eligible"))
+        self.log.info("replay epoch %s open with %s eligible groups", self.epoch, opened["eligible"])
+        return opened

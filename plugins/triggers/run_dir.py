@@ -15,7 +15,7 @@ from typing import Any, AsyncIterator
 
 from airflow.triggers.base import BaseTrigger, TriggerEvent
 
-from plugins.hooks.run_dir import RunDirHook, replay_gate_marker
+from plugins.hooks.run_dir import RunDirHook
 
 
 class RunMarkerTrigger(BaseTrigger):
@@ -58,8 +58,10 @@ class RunMarkerTrigger(BaseTrigger):
 
 
 class ReplayGateTrigger(BaseTrigger):
-    """Fires when the buffer holds at least `min_groups` groups eligible for replay epoch `epoch`
-    (or when the gate is already open, e.g. on a retried sensor)."""
+    """Fires when replay gate `epoch` is ready by the engine's condition
+    (`pipeline.orchestration.replay_gate_ready`, with the threshold `min_groups` the sensor took
+    from the run's config), or when the gate is already open (e.g. on a retried sensor). It only
+    reads: the sensor opens the gate when it resumes."""
 
     def __init__(self, *, run_url: str, epoch: int, min_groups: int, poke_interval: float = 5.0,
                  attempt: int | None = None):
@@ -79,17 +81,12 @@ class ReplayGateTrigger(BaseTrigger):
 
     async def run(self) -> AsyncIterator[TriggerEvent]:
         hook = RunDirHook(self.run_url)
-        gate = replay_gate_marker(self.epoch)
         while True:
-            opened = await asyncio.to_thread(hook.marker, gate)
-            if opened is not None:
-                yield TriggerEvent({"status": "success", "epoch": self.epoch,
-                                    "eligible": opened.get("eligible"), "already_open": True})
-                return
-            eligible = await asyncio.to_thread(hook.eligible_replay_groups)
-            if eligible >= self.min_groups:
+            gate = await asyncio.to_thread(hook.replay_gate, self.epoch, self.min_groups)
+            eligible = gate["eligible"]
+            if gate["ready"]:
                 yield TriggerEvent({"status": "success", "epoch": self.epoch, "eligible": eligible,
-                                    "already_open": False})
+                                    "already_open": gate["open"]})
                 return
             if await asyncio.to_thread(hook.replay_epoch_skipped, self.epoch):
                 yield TriggerEvent({"status": "skipped", "epoch": self.epoch, "eligible": eligible,

@@ -15,7 +15,7 @@ from pipeline.buffer import ReplayBuffer
 from pipeline.config import parse_config
 from pipeline.models import load_tokenizer
 from pipeline.policy import PolicyStore
-from pipeline.runner import prepare
+from pipeline.orchestration import prepare
 from pipeline.runs import RunDir
 from pipeline.trainer.checkpoint import list_checkpoints
 from pipeline.trainer.loop import FAULT_ENV

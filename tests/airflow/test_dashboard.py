@@ -3,8 +3,8 @@
 import pytest
 from fastapi.testclient import TestClient
 
+from pipeline.runs import RunDir
 from plugins.dashboard.app import create_app, get_locator
-from plugins.hooks.run_dir import phase_done_marker, replay_gate_marker
 
 DAG_ID, RUN_ID = "rlhf_train", "manual__2026-01-01T00:00:00+00:00"
 STATUS = f"/api/dags/{DAG_ID}/runs/{RUN_ID}/status"
@@ -45,8 +45,8 @@ def run(tmp_path):
     log = run.metrics("trainer")
     for step in (1, 2, 3):
         log.log({"step": step, "reward/mean": 0.1 * step, "perf/tokens_per_s": 1000.0})
-    run.set_marker(phase_done_marker(0), {"step": 2, "checkpoint": run.child_url("checkpoints", "step_2")})
-    run.set_marker(replay_gate_marker(0), {"eligible": 6})
+    run.set_marker(RunDir.phase_done_marker(0), {"step": 2, "checkpoint": run.child_url("checkpoints", "step_2")})
+    run.set_marker(RunDir.replay_gate_marker(0), {"eligible": 6})
     return run
 
 

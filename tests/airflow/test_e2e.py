@@ -16,7 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.airflow_local import AirflowClient, LocalAirflow
+from plugins.local.client import AirflowClient
+from plugins.local.deployment import LocalAirflow
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(2400)]
 
@@ -163,7 +164,6 @@ def test_sampler_and_trainer_ran_at_the_same_time(train_run):
 
 def test_each_phase_published_a_policy_that_verifies(train_run):
     from pipeline.policy import PolicyStore
-    from pipeline.reshard import verify_policy
     from pipeline.runs import RunDir
 
     run = RunDir(train_run["run_url"])
@@ -171,7 +171,7 @@ def test_each_phase_published_a_policy_that_verifies(train_run):
     for k in range(PHASES):
         marker = run.marker(f"phase_{k}.done")
         assert store.exists(int(marker["step"]))
-        verify_policy(run.url, int(marker["step"]))
+        store.verify(int(marker["step"]))
     assert store.latest() == STEPS
     assert run.read_json("summary.json") is not None
 

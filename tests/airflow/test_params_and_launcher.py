@@ -1,6 +1,8 @@
 """Form -> run config translation, and the embedded launcher's configuration (no processes)."""
 
+import importlib
 import json
+from pathlib import Path
 
 import pytest
 
@@ -108,22 +110,22 @@ def test_trigger_form_rejects_parent_segments_backslashes_and_control_characters
 
 def test_prepare_run_refuses_a_storage_url_outside_the_allowed_roots_before_writing(storage_roots, tmp_path,
                                                                                     monkeypatch):
-    import pipeline.runner
+    import pipeline.orchestration
     from plugins.taskgroups import prepare_run
 
-    monkeypatch.setattr(pipeline.runner, "prepare", lambda *a, **k: pytest.fail("prepare must not run"))
+    monkeypatch.setattr(pipeline.orchestration, "prepare", lambda *a, **k: pytest.fail("prepare must not run"))
     with pytest.raises(ValueError, match=f"storage_url: '{tmp_path}'"):
         prepare_run("rlhf_train", form(storage_url=str(tmp_path)), {}, "exp-1")
     assert list(tmp_path.iterdir()) == []
 
 
 def test_prepare_run_creates_the_run_under_an_allowed_storage_url(storage_roots, monkeypatch):
-    import pipeline.runner
+    import pipeline.orchestration
     from pipeline.runs import RunDir
     from plugins.taskgroups import prepare_run
 
     urls = []
-    monkeypatch.setattr(pipeline.runner, "prepare", lambda cfg, url: urls.append(url) or RunDir(url))
+    monkeypatch.setattr(pipeline.orchestration, "prepare", lambda cfg, url: urls.append(url) or RunDir(url))
     out = prepare_run("rlhf_train", form(storage_url="s3://bucket/runs/team-a"), {}, "exp-1")
     assert urls == ["s3://bucket/runs/team-a/exp-1"] and out["run_id"] == "exp-1"
 
@@ -134,17 +136,21 @@ def test_check_conf_keys_accepts_form_keys():
 
 # launcher -----------------------------------------------------------------------------------------
 def test_local_airflow_binds_loopback_with_a_long_jwt_secret_and_the_repo_folders(tmp_path):
-    from pipeline.airflow_local import REPO, LocalAirflow
+    from plugins.local.deployment import LocalAirflow
 
+    repo = Path(__file__).resolve().parents[2]  # an editable install: the checkout's folders
     af = LocalAirflow(home=tmp_path / "home", port=18123, runs_root=str(tmp_path / "runs"))
     env = af.env()
     assert env["AIRFLOW__API__HOST"] == "127.0.0.1"
     assert env["AIRFLOW__CORE__EXECUTION_API_SERVER_URL"] == "http://127.0.0.1:18123/execution/"
     assert len(bytes.fromhex(env["AIRFLOW__API_AUTH__JWT_SECRET"])) >= 64
-    assert env["AIRFLOW__CORE__DAGS_FOLDER"] == str(REPO / "dags")
-    assert env["AIRFLOW__CORE__PLUGINS_FOLDER"] == str(REPO / "plugins")
+    assert env["AIRFLOW__CORE__DAGS_FOLDER"] == str(repo / "dags")
+    assert env["AIRFLOW__CORE__PLUGINS_FOLDER"] == str(repo / "plugins")
+    assert env["RLHF_CONFIGS_DIR"] == str(repo / "configs")
     assert env["AIRFLOW__CORE__EXECUTOR"] == "LocalExecutor"
     assert env["AIRFLOW__DATABASE__SQL_ALCHEMY_CONN"].startswith("sqlite:///")
+    module, _, name = env["AIRFLOW__DATABASE__SQL_ALCHEMY_CONNECT_ARGS"].rpartition(".")  # imported by name
+    assert getattr(importlib.import_module(module), name) == {"timeout": 60}
     assert int(env["AIRFLOW__DAG_PROCESSOR__REFRESH_INTERVAL"]) <= 10
     assert env["AIRFLOW__API_AUTH__JWT_SECRET"] == af.env()["AIRFLOW__API_AUTH__JWT_SECRET"]  # stable across calls
     user, password = af.credentials()
@@ -153,14 +159,14 @@ def test_local_airflow_binds_loopback_with_a_long_jwt_secret_and_the_repo_folder
 
 
 def test_credentials_on_a_fresh_home_are_created_and_stable(tmp_path):
-    from pipeline.airflow_local import LocalAirflow
+    from plugins.local.deployment import LocalAirflow
 
     af = LocalAirflow(home=tmp_path / "new" / "home")
     assert af.credentials() == LocalAirflow(home=tmp_path / "new" / "home").credentials()
 
 
 def test_down_without_a_running_deployment_is_a_no_op(tmp_path):
-    from pipeline.airflow_local import LocalAirflow
+    from plugins.local.deployment import LocalAirflow
 
     assert LocalAirflow(home=tmp_path / "home").down() == []
 
@@ -168,7 +174,7 @@ def test_down_without_a_running_deployment_is_a_no_op(tmp_path):
 def test_cli_group_has_up_down_status_demo():
     import argparse
 
-    from pipeline.airflow_local import add_parser
+    from plugins.local.cli import add_parser
 
     parser = argparse.ArgumentParser()
     add_parser(parser.add_subparsers(dest="cmd"))
@@ -176,3 +182,12 @@ def test_cli_group_has_up_down_status_demo():
     assert args.fn.__name__ == "cmd_demo" and args.set == ["trainer.steps=4"] and args.port == 18124
     for name in ("up", "down", "status"):
         assert parser.parse_args(["airflow", name]).fn.__name__ == f"cmd_{name}"
+
+
+def test_the_engine_cli_gets_the_airflow_group_from_its_entry_point():
+    from pipeline.cli import build_parser
+
+    args = build_parser().parse_args(["airflow", "backfill", "rlhf_retrain", "--from-date", "2026-11-08",
+                                      "--to-date", "2026-11-15"])
+    assert args.fn.__module__ == "plugins.local.cli" and args.fn.__name__ == "cmd_backfill"
+    assert args.reprocess == "completed" and args.max_active_runs == 1

@@ -11,8 +11,9 @@ import time
 
 import pytest
 
-from plugins.operators import RlhfProcessOperator, SupervisedProcessOperator, engine_command, stop_process_group
-from plugins.operators.process import engine_environment, process_identity, process_start_ticks
+from pipeline.processes import process_identity, process_start_ticks, stop_group
+from plugins.operators import RlhfProcessOperator, SupervisedProcessOperator, engine_command
+from plugins.operators.process import engine_environment
 
 
 class FakeTI:
@@ -203,13 +204,13 @@ def test_a_deployment_may_pass_more_variables_but_never_airflows():
     assert engine_environment(worker, {"OMP_NUM_THREADS": 4})["OMP_NUM_THREADS"] == "4"
 
 
-def test_stop_process_group_escalates_to_sigkill_when_sigterm_is_ignored():
+def test_stop_group_escalates_to_sigkill_when_sigterm_is_ignored():
     stubborn = subprocess.Popen(python("import signal, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
                                        "print('ready', flush=True)\ntime.sleep(60)"),
                                 start_new_session=True, stdout=subprocess.PIPE, text=True)
     assert stubborn.stdout.readline().strip() == "ready"
     t0 = time.monotonic()
-    assert stop_process_group(stubborn.pid, grace_s=1.0)
+    assert stop_group(stubborn.pid, grace_s=1.0)
     assert stubborn.wait(timeout=10) == -9
     assert time.monotonic() - t0 < 8
 

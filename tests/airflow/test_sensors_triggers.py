@@ -8,9 +8,25 @@ import time
 import pytest
 from airflow.sdk.exceptions import AirflowException, AirflowSensorTimeout, TaskDeferred
 
-from plugins.hooks.run_dir import RunDirHook, phase_done_marker, replay_gate_marker
+import pipeline.orchestration
+from pipeline.runs import RunDir
 from plugins.sensors import PhaseCheckpointSensor, ReplayGateSensor
 from plugins.triggers import ReplayGateTrigger, RunMarkerTrigger
+
+phase_done_marker, replay_gate_marker = RunDir.phase_done_marker, RunDir.replay_gate_marker
+
+
+def eligible(monkeypatch, *counts):
+    """The engine's count of eligible L2 groups (the replay gate's measure) gives `counts` in turn,
+    the last one from then on."""
+    seq = iter(counts)
+    last = [counts[-1]]
+
+    def count(run):
+        last[0] = next(seq, last[0])
+        return last[0]
+
+    monkeypatch.setattr(pipeline.orchestration, "eligible_replay_groups", count)
 
 
 @pytest.fixture
@@ -68,8 +84,7 @@ def test_a_stop_that_ended_an_earlier_attempt_does_not_fail_the_triggers_of_a_cl
     writer.start()
     event = first_event(RunMarkerTrigger(run_url=run.url, marker="phase_1.done", poke_interval=0.05, attempt=1))
     assert event["status"] == "success" and event["payload"]["step"] == 4
-    counts = iter([1, 1, 6])
-    monkeypatch.setattr(RunDirHook, "eligible_replay_groups", lambda self: next(counts))
+    eligible(monkeypatch, 1, 1, 6)
     event = first_event(ReplayGateTrigger(run_url=run.url, epoch=0, min_groups=5, poke_interval=0.01, attempt=1))
     assert event["status"] == "success" and event["eligible"] == 6
     # for the attempt it ended, the stop still counts
@@ -84,22 +99,21 @@ def test_marker_written_just_before_the_stop_still_counts(run):
 
 
 def test_gate_trigger_waits_for_enough_eligible_groups(run, monkeypatch):
-    counts = iter([0, 3, 5, 9])
-    monkeypatch.setattr(RunDirHook, "eligible_replay_groups", lambda self: next(counts))
+    eligible(monkeypatch, 0, 3, 5, 9)
     event = first_event(ReplayGateTrigger(run_url=run.url, epoch=0, min_groups=5, poke_interval=0.01))
     assert event == {"status": "success", "epoch": 0, "eligible": 5, "already_open": False}
 
 
 def test_gate_trigger_gives_up_when_the_run_stops(run, monkeypatch):
-    monkeypatch.setattr(RunDirHook, "eligible_replay_groups", lambda self: 1)
+    eligible(monkeypatch, 1)
     run.request_stop("trainer task ended without finishing")
     event = first_event(ReplayGateTrigger(run_url=run.url, epoch=0, min_groups=5, poke_interval=0.01))
     assert event["status"] == "error" and "1 eligible" in event["message"]
 
 
 def test_gate_trigger_reports_an_epoch_the_trainer_skipped(run, monkeypatch):
-    monkeypatch.setattr(RunDirHook, "eligible_replay_groups", lambda self: 1)
-    run.set_marker("trainer_done", {"step": 4, "replay_epochs_skipped": [0]})
+    eligible(monkeypatch, 1)
+    run.set_marker(run.TRAINER_DONE_MARKER, {"step": 4, "replay_epochs_skipped": [0]})
     run.request_stop("trainer finished")
     event = first_event(ReplayGateTrigger(run_url=run.url, epoch=0, min_groups=5, poke_interval=0.01))
     assert event["status"] == "skipped" and "without replay epoch 0" in event["message"]
@@ -121,7 +135,7 @@ def test_sensors_hand_their_runs_attempt_to_the_trigger(run, monkeypatch):
     class DagRun:
         clear_number = 2
 
-    monkeypatch.setattr(RunDirHook, "eligible_replay_groups", lambda self: 0)
+    eligible(monkeypatch, 0)
     for sensor in (PhaseCheckpointSensor(task_id="wait", run_url=run.url, phase=1),
                    ReplayGateSensor(task_id="gate", run_url=run.url, epoch=0)):
         with pytest.raises(TaskDeferred) as deferred:
@@ -158,25 +172,25 @@ def test_sensors_retry_by_default():
 def test_gate_sensor_skips_an_epoch_the_trainer_skipped(run, monkeypatch):
     from airflow.sdk.exceptions import AirflowSkipException
 
-    monkeypatch.setattr(RunDirHook, "eligible_replay_groups", lambda self: 1)
+    eligible(monkeypatch, 1)
     sensor = ReplayGateSensor(task_id="gate", run_url=run.url, epoch=0)
     with pytest.raises(AirflowSkipException):
         sensor.execute_complete({}, {"status": "skipped", "message": "the trainer finished without replay epoch 0"})
-    run.set_marker("trainer_done", {"step": 4, "replay_epochs_skipped": [0]})
+    run.set_marker(run.TRAINER_DONE_MARKER, {"step": 4, "replay_epochs_skipped": [0]})
     with pytest.raises(AirflowSkipException, match="without replay epoch 0"):
         sensor.execute({})
     assert run.marker(replay_gate_marker(0)) is None
 
 
 def test_gate_sensor_opens_the_gate_when_enough_groups_are_eligible(run, monkeypatch):
-    monkeypatch.setattr(RunDirHook, "eligible_replay_groups", lambda self: 7)
+    eligible(monkeypatch, 7)
     out = ReplayGateSensor(task_id="gate", run_url=run.url, epoch=0).execute({})
     assert out == {"epoch": 0, "eligible": 7}
     assert run.marker(replay_gate_marker(0))["eligible"] == 7
 
 
 def test_gate_sensor_defers_with_the_configs_threshold(run, monkeypatch):
-    monkeypatch.setattr(RunDirHook, "eligible_replay_groups", lambda self: 1)
+    eligible(monkeypatch, 1)
     with pytest.raises(TaskDeferred) as deferred:
         ReplayGateSensor(task_id="gate", run_url=run.url, epoch=0).execute({})
     trigger = deferred.value.trigger
@@ -186,13 +200,13 @@ def test_gate_sensor_defers_with_the_configs_threshold(run, monkeypatch):
 
 
 def test_gate_sensor_opens_the_gate_when_its_trigger_fires(run):
-    sensor = ReplayGateSensor(task_id="gate", run_url=run.url, epoch=0, min_groups=2)
+    sensor = ReplayGateSensor(task_id="gate", run_url=run.url, epoch=0)
     assert sensor.execute_complete({}, {"status": "success", "eligible": 3}) == {"epoch": 0, "eligible": 3}
     assert run.has_marker(replay_gate_marker(0))
 
 
 def test_gate_sensor_in_poke_mode_times_out_with_timeout_zero(run, monkeypatch):
-    monkeypatch.setattr(RunDirHook, "eligible_replay_groups", lambda self: 0)
+    eligible(monkeypatch, 0)
     sensor = ReplayGateSensor(task_id="gate", run_url=run.url, epoch=0, deferrable=False, timeout=0)
     with pytest.raises(AirflowSensorTimeout):
         sensor.execute({})

@@ -7,7 +7,8 @@ import time
 
 import pytest
 
-from pipeline.airflow_local import LocalAirflow, group_alive
+from pipeline.processes import group_alive
+from plugins.local.deployment import LocalAirflow
 
 
 def _free_port() -> int:

@@ -154,10 +154,10 @@ def _kill_writers_repeatedly(spawn: Spawner, url: str, tmp_path: Path, kills: in
         assert [gids.count(f"{prefix}-g{i}") for i in range(3)] == [2, 2, 2], prefix
     stats = buf.stats()["tiers"]["l1"]
     assert stats["rows"] == table.num_rows == len(committed) * 6  # nothing counted that cannot be read
-    gc = buf.gc(grace_s=0)
+    vacuumed = buf.vacuum(grace_s=0)
     # leftovers of killed writers are removed, committed data untouched
     assert buf.verify()["ok"] and ReplayBuffer(url).read_fresh(None, 10**9)[0].num_rows == table.num_rows
-    assert len(acked) > 0 and gc["orphans_kept_young"] == 0
+    assert len(acked) > 0 and vacuumed["orphans_kept_young"] == 0
 
 
 @pytest.mark.integration

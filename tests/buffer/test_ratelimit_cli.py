@@ -78,7 +78,7 @@ def rlhf(argv: list[str]) -> int:
     return args.fn(args)
 
 
-def test_cli_stats_verify_compact_gc(tmp_path, capsys):
+def test_cli_stats_verify_compact_vacuum(tmp_path, capsys):
     url = str(tmp_path / "buffer")
     buf = ReplayBuffer(url)
     _write(buf, 3)
@@ -89,7 +89,7 @@ def test_cli_stats_verify_compact_gc(tmp_path, capsys):
     capsys.readouterr()
     assert rlhf(["buffer", "compact", url, "--all"]) == 0
     assert json.loads(capsys.readouterr().out)["l1_shards_in"] == 3
-    assert rlhf(["buffer", "gc", url, "--grace-s", "0"]) == 0
+    assert rlhf(["buffer", "vacuum", url, "--grace-s", "0"]) == 0
     assert json.loads(capsys.readouterr().out)["orphans_deleted"] == 3
     # a damaged archive file makes verify fail with its path
     l3 = buf.refresh().tier_shards("l3")[0].path
@@ -97,6 +97,15 @@ def test_cli_stats_verify_compact_gc(tmp_path, capsys):
     assert rlhf(["buffer", "verify", url]) == 1
     assert l3 in capsys.readouterr().err
 
+
+
+def test_cli_gc_is_the_vacuum_command_under_its_earlier_name(tmp_path, capsys):
+    url = str(tmp_path / "buffer")
+    _write(ReplayBuffer(url), 2)
+    assert rlhf(["buffer", "compact", url, "--all"]) == 0
+    capsys.readouterr()
+    assert rlhf(["buffer", "gc", url, "--grace-s", "0"]) == 0
+    assert json.loads(capsys.readouterr().out)["orphans_deleted"] == 2
 
 @pytest.mark.integration
 def test_rlhf_console_runs_buffer_commands(tmp_path):
@@ -115,7 +124,7 @@ def test_rlhf_console_runs_buffer_commands(tmp_path):
     assert out.returncode == 1 and shard in out.stderr
 
 
-@pytest.mark.parametrize("cmd", ["stats", "verify", "compact", "gc"])
+@pytest.mark.parametrize("cmd", ["stats", "verify", "compact", "vacuum", "gc"])
 def test_buffer_commands_on_a_path_without_a_buffer_fail_naming_the_path(tmp_path, cmd):
     from pipeline.config import ConfigError
 
@@ -127,7 +136,7 @@ def test_buffer_commands_on_a_path_without_a_buffer_fail_naming_the_path(tmp_pat
         with pytest.raises(ConfigError) as e:
             rlhf(["buffer", cmd, url])
         assert url.removeprefix("file://") in str(e.value) and "no buffer" in str(e.value)
-    assert not missing.exists()  # compact and gc wrote nothing there either
+    assert not missing.exists()  # compact and vacuum wrote nothing there either
     assert sorted(p.name for p in unrelated.iterdir()) == ["notes.txt"]
 
 

@@ -51,8 +51,8 @@ def test_dedup_can_be_turned_off(buffer_url):
     assert buf.promote(make_groups("b", 2, rewards=[SPREAD, SPREAD], seed=1))["promoted"] == 2
 
 
-def test_replays_stop_after_num_epochs_per_sample(buffer_url):
-    buf = _buf(buffer_url, num_epochs_per_sample=2)
+def test_replays_stop_after_max_replays_per_group(buffer_url):
+    buf = _buf(buffer_url, max_replays_per_group=2)
     buf.promote(make_groups("a", 3, rewards=[SPREAD] * 3))
     drawn = []
     for step in range(5):
@@ -129,7 +129,7 @@ def test_update_priorities_validates_its_input(buffer_url):
 
 
 def test_l2_bound_evicts_exhausted_groups_then_oldest(buffer_url):
-    buf = _buf(buffer_url, l2_max_groups=4, num_epochs_per_sample=1)
+    buf = _buf(buffer_url, l2_max_groups=4, max_replays_per_group=1)
     buf.promote(make_groups("a", 2, rewards=[SPREAD] * 2, seed=1))
     buf.promote(make_groups("b", 2, rewards=[SPREAD] * 2, seed=2))
     buf.update_priorities(["b-g0", "b-g1"], [1.0, 1.0])  # b used up its single replay

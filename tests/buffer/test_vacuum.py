@@ -1,4 +1,4 @@
-"""Bad data, garbage collection and verification."""
+"""Bad data, vacuum (garbage collection) and verification."""
 
 import io
 import time
@@ -46,7 +46,7 @@ def test_truncated_shard_is_quarantined_and_reading_goes_on(buffer_url):
     q = reader.stats()["quarantined"]
     assert list(q) == [bad] and "unreadable" in q[bad]
     assert buf.fs.exists(join(buf.root, bad))  # kept for inspection, never garbage-collected
-    assert buf.gc(grace_s=0)["orphans_deleted"] == 0
+    assert buf.vacuum(grace_s=0)["orphans_deleted"] == 0
 
 
 def test_wrong_schema_shard_is_quarantined_with_its_path(buffer_url):
@@ -80,14 +80,14 @@ def test_killed_writer_leftovers_are_invisible_and_collected_after_grace(buffer_
     orphan = new_shard_path("l1", "dead")
     write_shard(buf.fs, buf.root, orphan, encode(make_groups("z", 2), "zstd"))
     assert buf.fresh_backlog(None) == 2
-    assert buf.gc()["orphans_kept_young"] == 1  # within the grace period: it may still be committed
+    assert buf.vacuum()["orphans_kept_young"] == 1  # within the grace period: it may still be committed
     assert buf.fs.exists(join(buf.root, orphan))
-    out = buf.gc(grace_s=0)
+    out = buf.vacuum(grace_s=0)
     assert out["orphans_deleted"] == 1 and not buf.fs.exists(join(buf.root, orphan))
     assert buf.read_fresh(None, 10)[0].num_rows == 8
 
 
-def test_gc_deletes_compacted_inputs_and_old_log_entries_and_reopening_still_works(buffer_url):
+def test_vacuum_deletes_compacted_inputs_and_old_log_entries_and_reopening_still_works(buffer_url):
     buf = _buf(buffer_url)
     with buf.writer("w") as w:
         for i in range(12):
@@ -96,7 +96,7 @@ def test_gc_deletes_compacted_inputs_and_old_log_entries_and_reopening_still_wor
     _, cursor = buf.read_fresh(None, 100)
     buf.mark_consumed(cursor)
     buf.compact()
-    out = buf.gc(grace_s=0, log_retention_s=0)
+    out = buf.vacuum(grace_s=0, log_retention_s=0)
     assert out["orphans_deleted"] >= 1 and out["log_entries_deleted"] >= 1
     names = [f.rel for f in list_files(buf.fs, join(buf.root, "l1"))]
     assert names == []
@@ -128,8 +128,8 @@ def test_reader_far_behind_log_retention_reloads_the_checkpoint(buffer_url):
         for i in range(12):
             w.write(make_groups(f"s{i}", 1))
             w.flush()
-    buf.gc(grace_s=0, log_retention_s=0)
-    behind.log._last_pointer_check = 0.0
+    buf.vacuum(grace_s=0, log_retention_s=0)
+    behind.log.pointer_check_interval_s = 0.0
     assert behind.fresh_backlog(None) == 2 + 12
 
 
@@ -194,11 +194,11 @@ def test_missing_committed_shard_is_quarantined_but_a_compacted_one_is_skipped(b
     table, _ = buf.read_fresh(None, 10)
     assert set(table.column("group_id").to_pylist()) == {"a-g0", "a-g1"}
     assert "missing on storage" in buf.stats()["quarantined"][p1]
-    # a reader whose view predates a compaction + gc does not quarantine what was archived
+    # a reader whose view predates a compaction + vacuum does not quarantine what was archived
     stale = _buf(buffer_url)
     stale.refresh()
     buf.compact(everything=True)
-    buf.gc(grace_s=0)
+    buf.vacuum(grace_s=0)
     info = stale.state.shards[p0]
     assert stale.load_shard(info) is None
     assert p0 not in stale.stats()["quarantined"]

@@ -1,7 +1,7 @@
 import pytest
 
 from pipeline.config import ConfigError
-from pipeline.rewards import load_reward_fn, score
+from pipeline.rewards import REWARD_SOURCES, load_reward_fn, score
 from pipeline.tasks import make_rows, sort_score
 
 
@@ -41,7 +41,7 @@ def test_user_reward_file_errors(tmp_path):
 
 def test_dict_reward_without_score_is_an_error():
     with pytest.raises(ValueError, match="without 'score'"):
-        score(lambda *a: {"acc": 1.0}, "x", "y", "z", None)
+        score(lambda **kw: {"acc": 1.0}, "x", "y", "z", None)
 
 
 def test_task_rows_are_deterministic_and_splits_differ():
@@ -52,3 +52,70 @@ def test_task_rows_are_deterministic_and_splits_differ():
     assert set(r) == {"data_source", "prompt", "ability", "reward_model", "extra_info"}
     digits = r["prompt"][0]["content"].split()[1].rstrip(":")
     assert r["reward_model"]["ground_truth"] == "".join(sorted(digits))
+
+
+def _user_fn(tmp_path, body: str, name: str = "compute_score") -> str:
+    f = tmp_path / "user_reward.py"
+    f.write_text(body)
+    return f"{f}:{name}"
+
+
+def test_reward_is_called_by_keyword_so_a_keyword_only_function_works(tmp_path):
+    spec = _user_fn(tmp_path,
+                    "def compute_score(*, data_source, solution_str, ground_truth, extra_info=None):\n"
+                    "    return {'score': float(solution_str in ground_truth['answers']), 'k': extra_info['k']}\n")
+    fn = load_reward_fn(spec)
+    assert not fn.batched
+    s = score(fn, "src", "b", {"answers": ["a", "b"]}, {"k": 2})
+    assert s.reward == 1.0 and s.extra == {"k": 2.0}
+
+
+def test_ground_truth_reaches_the_function_with_its_type(tmp_path):
+    spec = _user_fn(tmp_path, "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                              "    return {'score': 0.0, 'is_list': isinstance(ground_truth, list)}\n")
+    assert score(load_reward_fn(spec), "s", "x", ["1", "2"], None).extra == {"is_list": 1.0}
+
+
+def test_a_function_without_extra_info_is_called_without_it(tmp_path):
+    spec = _user_fn(tmp_path, "def compute_score(data_source, solution_str, ground_truth):\n"
+                              "    return float(solution_str == ground_truth)\n")
+    assert load_reward_fn(spec)("s", "4", "4", {"unused": 1}) == 1.0
+
+
+def test_positional_only_reward_is_refused_with_the_signature_named(tmp_path):
+    spec = _user_fn(tmp_path, "def compute_score(a, b, c, /):\n    return 0.0\n")
+    with pytest.raises(ConfigError, match=r"takes \(a, b, c, /\); it must accept the keywords data_source"):
+        load_reward_fn(spec)
+
+
+def test_batched_reward_is_told_by_its_signature_and_gets_lists(tmp_path):
+    spec = _user_fn(tmp_path,
+                    "def compute_score(data_sources, solution_strs, ground_truths, extra_infos=None):\n"
+                    "    return [{'score': float(s == g), 'n': len(solution_strs)}\n"
+                    "            for s, g in zip(solution_strs, ground_truths)]\n")
+    fn = load_reward_fn(spec)
+    assert fn.batched
+    out = fn.call_batch([("s", "1", "1", None), ("s", "2", "3", None)])
+    assert out == [{"score": 1.0, "n": 2}, {"score": 0.0, "n": 2}]
+    assert fn("s", "1", "1") == {"score": 1.0, "n": 1}  # one sample = a batch of one
+
+
+def test_batched_reward_returning_the_wrong_length_is_an_error(tmp_path):
+    spec = _user_fn(tmp_path, "def f(**kw):\n    return [1.0]\n", "f")
+    fn = load_reward_fn(spec, batched=True)
+    with pytest.raises(ValueError, match="returned 1 values for 2 samples"):
+        fn.call_batch([("s", "a", "a", None), ("s", "b", "b", None)])
+
+
+def test_auto_dispatches_by_data_source():
+    fn = load_reward_fn("auto")
+    assert fn("builtin/digit", "777", "7") == 1.0
+    assert fn("openai/gsm8k", "so 3+4 = 7. #### 7", "7") == 1.0
+    assert fn("HuggingFaceH4/MATH-500", "the answer is $\\boxed{\\dfrac{1}{2}}$", "\\frac{1}{2}") == 1.0
+    assert fn("lighteval/MATH", "\\boxed{3}", "4") == 0.0
+    assert REWARD_SOURCES["gsm8k"] == "gsm8k"
+
+
+def test_auto_with_an_unknown_data_source_lists_the_known_ones():
+    with pytest.raises(ValueError, match=r"no built-in reward for data_source 'my/task'; known: .*openai/gsm8k"):
+        load_reward_fn("auto")("my/task", "x", "y")

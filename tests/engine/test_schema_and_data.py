@@ -6,7 +6,7 @@ import pytest
 
 from pipeline.buffer.schema import ROLLOUT_SCHEMA, SCHEMA_VERSION_KEY, SchemaError, check_schema, content_hash, to_table
 from pipeline.config import ConfigError
-from pipeline.data import load_prompts, write_rows
+from pipeline.data import PromptRow, filter_overlong, load_prompts, write_rows
 from pipeline.tasks import make_rows
 
 
@@ -60,3 +60,47 @@ def test_dataset_rows_load_with_ids(tmp_path):
     rows = load_prompts(url)
     assert len(rows) == 5 and len({r.prompt_id for r in rows}) == 5
     assert rows[0].messages[0]["role"] == "user"
+
+
+def _verl_rows(ground_truths):
+    return [{"data_source": "my/task", "prompt": [{"role": "user", "content": f"q{i}"}], "ability": "math",
+             "reward_model": {"style": "rule", "ground_truth": gt}, "extra_info": {"index": i}}
+            for i, gt in enumerate(ground_truths)]
+
+
+@pytest.mark.parametrize("truths", [
+    [["7", "seven"], ["3"]],                                     # Arrow list column
+    [{"answer": "7", "aliases": ["seven"]}, {"answer": "3", "aliases": []}],  # Arrow struct column
+    [7, 3],
+    ['{"inputs": [1], "outputs": [2]}', "plain"],                # JSON strings stay strings
+])
+def test_ground_truths_keep_their_type_through_parquet(tmp_path, truths):
+    url = str(tmp_path / "verl.parquet")
+    write_rows(_verl_rows(truths), url)
+    rows = load_prompts(url)
+    assert [r.ground_truth for r in rows] == truths
+    assert rows[0].extra_info == {"index": 0}
+
+
+class _CharTokenizer:
+    """One token per character; no chat template."""
+
+    def __call__(self, texts, add_special_tokens=False):
+        return {"input_ids": [list(t) for t in texts]}
+
+
+def _prompts(*contents):
+    return [PromptRow(f"p{i}", "s", [{"role": "user", "content": c}], "", None) for i, c in enumerate(contents)]
+
+
+def test_overlong_prompts_are_filtered_and_counted():
+    kept, dropped = filter_overlong(_prompts("abc", "abcdefgh", "ab"), _CharTokenizer(), 4)
+    assert [p.prompt_id for p in kept] == ["p0", "p2"] and dropped == 1
+
+
+def test_overlong_prompt_fails_fast_naming_it_when_asked():
+    with pytest.raises(ConfigError, match=r"prompt p1 of data.train \(data_source 's'\) is 8 tokens, over the "
+                                          r"limit of 4"):
+        filter_overlong(_prompts("abc", "abcdefgh"), _CharTokenizer(), 4, "fail")
+    with pytest.raises(ConfigError, match="all 1 prompts of data.train are over 2 tokens"):
+        filter_overlong(_prompts("abc"), _CharTokenizer(), 2)

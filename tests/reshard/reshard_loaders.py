@@ -39,11 +39,16 @@ def state_from_tp(folder: str) -> dict:
         if t["dim"] is None:
             out[name] = ranks[0][name]
             continue
+        # a rank's slice is one run along `dim` (`ranges`) or, for fused tensors, several (`segments`)
+        per_rank = t["segments"] if "segments" in t else [[r] for r in t["ranges"]]
         parts, seen = [], set()
-        for r, (start, stop) in enumerate(t["ranges"]):
-            if (start, stop) not in seen:
-                seen.add((start, stop))
-                parts.append((start, ranks[r][name]))
+        for r, segments in enumerate(per_rank):
+            at = 0
+            for start, stop in segments:
+                if (start, stop) not in seen:
+                    seen.add((start, stop))
+                    parts.append((start, ranks[r][name].narrow(t["dim"], at, stop - start)))
+                at += stop - start
         out[name] = torch.cat([p for _, p in sorted(parts, key=lambda x: x[0])], dim=t["dim"])
     return out
 

@@ -57,15 +57,14 @@ def test_shape_that_disagrees_with_config_is_named(tiny, tmp_path):
     _no_output(tmp_path / "out")
 
 
-def test_unknown_architecture_is_named(tiny, tmp_path):
-    src = _copy(tiny[2], tmp_path / "hf")
-    with open(os.path.join(src, "config.json")) as f:
-        cfg = json.load(f)
-    cfg["architectures"] = ["GPT2LMHeadModel"]
-    with open(os.path.join(src, "config.json"), "w") as f:
-        json.dump(cfg, f)
-    with pytest.raises(ReshardError, match="unknown architecture.*GPT2LMHeadModel.*Qwen2ForCausalLM"):
-        reshard(src, str(tmp_path / "out"), to="hf")
+def test_tensor_without_a_tp_rule_is_named_with_the_architecture(tmp_path):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    cfg = GPT2Config(vocab_size=64, n_embd=32, n_layer=1, n_head=2, n_positions=32)
+    GPT2LMHeadModel(cfg).save_pretrained(tmp_path / "gpt2")
+    with pytest.raises(ReshardError, match=r"'transformer\.h\.0\.attn\.c_attn\.\w+': no tensor-parallel rule .* of "
+                                           r"GPT2LMHeadModel.*'hf' or 'dcp:N'"):
+        reshard(str(tmp_path / "gpt2"), str(tmp_path / "out"), to="tp:2")
     _no_output(tmp_path / "out")
 
 

@@ -7,7 +7,7 @@ import shutil
 import pytest
 import torch
 
-from pipeline.reshard import ReshardError, publish, publish_checkpoint, reshard, verify, verify_policy
+from pipeline.reshard import ReshardError, publish, reshard, verify
 from pipeline.weights import load_state_dict
 
 
@@ -131,10 +131,10 @@ def test_policy_store_publishes_through_reshard_with_its_manifest_keys(tiny, tra
     from pipeline.models import load_tokenizer
 
     assert store.publish_model(1, model, load_tokenizer(full), {"step": 1})
-    assert publish_checkpoint(run.url, trainer_ckpt, 4)
-    assert not publish_checkpoint(run.url, trainer_ckpt, 4)
+    assert store.publish_checkpoint(4, trainer_ckpt).published_now
+    assert not store.publish_checkpoint(4, trainer_ckpt).published_now
     assert store.versions() == [0, 1, 4] and store.latest() == 4
-    assert store.manifest(4)["step"] == 4 and verify_policy(run.url, 4).ok
+    assert store.manifest(4)["step"] == 4 and store.verify(4).ok
     state = load_state_dict(store.local_dir(1))
     assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
 

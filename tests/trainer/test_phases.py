@@ -12,9 +12,11 @@ import torch
 
 from pipeline.config import TrainerConfig
 from pipeline.policy import PolicyStore
+from pipeline.reshard.checkpoint import load_model_weights
 from pipeline.runs import RunDir
-from pipeline.trainer.checkpoint import checkpoint_dir, list_checkpoints, load_model_weights, prune
-from pipeline.trainer.phases import advance, phase_end_steps, replay_epoch_steps
+from pipeline.trainer.checkpoint import checkpoint_dir, list_checkpoints, prune
+from pipeline.orchestration import advance
+from pipeline.trainer.phases import phase_end_steps, replay_epoch_steps
 
 
 def test_phase_and_replay_schedules():
@@ -42,7 +44,7 @@ def test_trainer_waits_for_the_replay_gate_then_replays_and_phases_reach_the_sam
 
     tr_config = {**tr.CONFIG, "trainer": {**tr.CONFIG["trainer"], "steps": 4, "phases": 2, "replay_epochs": 1,
                                           "checkpoint_every": 0, "sync_every": 1},
-                 "buffer": {"num_epochs_per_sample": 1}}
+                 "buffer": {"max_replays_per_group": 1}}
     url = tr.make_run(tmp_path / "run", tr_config)
     run = RunDir(url)
     env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
@@ -51,13 +53,13 @@ def test_trainer_waits_for_the_replay_gate_then_replays_and_phases_reach_the_sam
     # replay epoch 0 is due after fresh step 4 (the last); its gate is closed: the trainer must wait
     fresh = lambda: [r for r in run.read_metrics("trainer") if r.get("replay/is_replay") == 0]  # noqa: E731
     _wait(lambda: len(fresh()) == 4, 120, "4 fresh steps", proc)
-    assert run.has_marker("phase_0.done") and not run.has_marker("phase_1.done")
+    assert run.has_marker(run.phase_done_marker(0)) and not run.has_marker(run.phase_done_marker(1))
     assert PolicyStore(run).exists(1) and not PolicyStore(run).exists(2)  # in-phase publish, not the boundary
     time.sleep(2.0)
     assert proc.poll() is None and not any(r.get("replay/is_replay") for r in run.read_metrics("trainer"))
     did = advance(run)  # the local runner's orchestration: reshard phase 0, open the gate
     assert any("published policy v2" in d for d in did) and any("replay gate 0" in d for d in did)
-    _wait(lambda: run.has_marker("trainer_done"), 120, "the end of training", proc)
+    _wait(lambda: run.has_marker(run.TRAINER_DONE_MARKER), 120, "the end of training", proc)
     assert proc.wait(timeout=60) == 0
     replays = [r for r in run.read_metrics("trainer") if r.get("replay/is_replay") == 1]
     assert replays and all(0 < r["replay/weight_mean"] <= 1 for r in replays)
@@ -90,7 +92,7 @@ def test_replay_epochs_without_eligible_groups_are_skipped_not_waited_for(tmp_pa
     url = tr.make_run(tmp_path / "run", config, constant_reward=0.5)
     tr.trainer(url)
     run = RunDir(url)
-    assert run.marker("trainer_done")["replay_epochs_skipped"] == [0, 1]
+    assert run.marker(run.TRAINER_DONE_MARKER)["replay_epochs_skipped"] == [0, 1]
     assert not any(r.get("replay/is_replay") for r in run.read_metrics("trainer"))
 
 

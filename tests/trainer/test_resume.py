@@ -20,8 +20,9 @@ from pipeline.buffer import ReplayBuffer
 from pipeline.config import parse_config
 from pipeline.models import load_tokenizer
 from pipeline.policy import PolicyStore
-from pipeline.runner import prepare
-from pipeline.trainer.checkpoint import list_checkpoints, load_model_weights
+from pipeline.orchestration import prepare
+from pipeline.reshard.checkpoint import load_model_weights
+from pipeline.trainer.checkpoint import list_checkpoints
 from pipeline.trainer.loop import FAULT_ENV
 
 N = 3

@@ -1,0 +1,68 @@
+"""Which accelerators each device-heavy process of a run gets.
+
+A machine's accelerators (those its processes see: `CUDA_VISIBLE_DEVICES`, else the CUDA device
+count; `devices.count` overrides) are split between sampling and training by
+`devices.sampler_share` (0.3 by default): the sampler takes the first ceil-rounded share, at least
+one, and the trainer the rest, at least one. Whoever starts a process (the local runner, the
+Airflow operator) sets its `CUDA_VISIBLE_DEVICES` from this split, so the sampler and the trainer
+never both take `cuda:0`. Evaluation and finalize run after the trainer, on its accelerators.
+
+With a single accelerator both must share it: the sampler is then told the share of its memory
+it may take (`RLHF_GPU_MEMORY_FRACTION`, which the vLLM backend passes as
+`gpu_memory_utilization` unless the config sets that itself). On a CPU-only machine nothing is set.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Mapping
+
+ROLE_DEVICES = {"sampler": "sampler", "trainer": "trainer", "finalize": "trainer", "eval": "trainer"}
+MEMORY_FRACTION_ENV = "RLHF_GPU_MEMORY_FRACTION"
+
+
+def visible_devices(env: Mapping[str, str] | None = None, count: int | None = None) -> list[str]:
+    """Ids of the accelerators a process started with `env` would see (at most `count`)."""
+    env = os.environ if env is None else env
+    listed = env.get("CUDA_VISIBLE_DEVICES")
+    if listed is not None:
+        ids = [x.strip() for x in listed.split(",") if x.strip() and x.strip() != "-1"]
+    elif count is not None:
+        ids = [str(i) for i in range(count)]
+    else:
+        import torch
+
+        ids = [str(i) for i in range(torch.cuda.device_count())]
+    return ids if count is None else ids[:count]
+
+
+def split_devices(ids: list[str], sampler_share: float) -> dict[str, list[str]]:
+    """{"sampler": [...], "trainer": [...]}: disjoint when there are two or more accelerators."""
+    if len(ids) <= 1:
+        return {"sampler": list(ids), "trainer": list(ids)}
+    n = min(max(1, math.ceil(len(ids) * sampler_share - 1e-9)), len(ids) - 1)
+    return {"sampler": ids[:n], "trainer": ids[n:]}
+
+
+def role_environment(role: str, devices_cfg, env: Mapping[str, str] | None = None) -> dict[str, str]:
+    """Variables to set for the process of `role` (sampler, trainer, finalize, eval)."""
+    if role not in ROLE_DEVICES:
+        raise ValueError(f"role {role!r}: choose one of {', '.join(ROLE_DEVICES)}")
+    ids = visible_devices(env, devices_cfg.count)
+    if not ids:
+        return {}
+    split = split_devices(ids, devices_cfg.sampler_share)
+    out = {"CUDA_VISIBLE_DEVICES": ",".join(split[ROLE_DEVICES[role]])}
+    if len(ids) == 1 and ROLE_DEVICES[role] == "sampler":
+        out[MEMORY_FRACTION_ENV] = f"{devices_cfg.sampler_share:.3f}"
+    return out
+
+
+def trainer_ranks(devices_cfg, nproc_per_node: int, env: Mapping[str, str] | None = None) -> int:
+    """Trainer processes on this machine: one per trainer accelerator when there are any and
+    the config leaves `trainer.nproc_per_node` at 1; otherwise the config's count."""
+    ids = visible_devices(env, devices_cfg.count)
+    if nproc_per_node > 1 or not ids:
+        return nproc_per_node
+    return len(split_devices(ids, devices_cfg.sampler_share)["trainer"])

@@ -1,0 +1,131 @@
+"""The run's steps (`pipeline.orchestration`), which the local runner and the DAG tasks both take."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from pipeline import orchestration
+from pipeline.buffer import ReplayBuffer
+from pipeline.config import parse_config
+from pipeline.models import load_tokenizer
+from pipeline.policy import PolicyStore, version_dirname
+from pipeline.reshard import ReshardError
+from pipeline.runs import RunDir
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "trainer"))
+from trainer_rollouts import synthetic_shard  # noqa: E402
+
+GROUPS, GROUP_SIZE, SHARDS = 4, 4, 3
+CONFIG = {
+    "seed": 0,
+    "model": {"path": "builtin:digit"},
+    "data": {"train": "builtin:digit", "eval": "builtin:digit", "eval_size": 8},
+    "reward": {"fn": "digit"},
+    "sampler": {"group_size": GROUP_SIZE, "prompts_per_batch": GROUPS},
+    "trainer": {"steps": 4, "groups_per_step": GROUPS, "phases": 2, "replay_epochs": 2},
+}
+
+
+@pytest.fixture
+def run(tmp_path) -> RunDir:
+    """A prepared run whose L1 holds SHARDS shards of GROUPS groups (as if a sampler had run)."""
+    run = orchestration.prepare(parse_config(CONFIG), run_url=f"file://{tmp_path}/runs/r1")
+    tok = load_tokenizer(PolicyStore(run).local_dir(0))
+    prompts = [tok(f"digits {i}: ", add_special_tokens=False)["input_ids"] for i in range(8)]
+    with ReplayBuffer(run.buffer_url, run.config().buffer).writer("test") as w:
+        for shard in range(SHARDS):
+            w.write(synthetic_shard(tok, prompts, shard, GROUPS, GROUP_SIZE, seed=0))
+    return run
+
+
+def tiers(run: RunDir) -> dict:
+    return ReplayBuffer(run.buffer_url, run.config().buffer).stats()["tiers"]
+
+
+def corrupt(run: RunDir, version: int) -> None:
+    """Change the bytes (not the size) of the first file the version's manifest lists."""
+    folder = Path(run.path("policy", version_dirname(version)))
+    name = sorted(json.loads((folder / "manifest.json").read_text())["files"])[0]
+    data = bytearray((folder / name).read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    (folder / name).write_bytes(bytes(data))
+
+
+def test_finalize_verifies_the_final_policy_compacts_l1_into_l3_and_writes_the_summary(run, monkeypatch):
+    rows = SHARDS * GROUPS * GROUP_SIZE
+    assert tiers(run)["l1"]["rows"] == rows
+    summary = orchestration.finalize(run)
+    assert tiers(run)["l1"]["rows"] == 0 and tiers(run)["l3"]["rows"] == rows
+    assert summary["compaction"]["l1_shards_in"] >= 1 and summary["compaction"]["rows"] == rows
+    assert summary["final_policy"]["version"] == 0 and summary["final_policy"]["verified"] is True
+    assert summary["final_policy"]["files"] >= 1
+    assert run.read_json("summary.json") == summary
+    assert {"eval_before", "eval_after", "steps", "policy_versions"} <= summary.keys()
+    # a retried finalize evaluates nothing again and archives nothing twice
+    monkeypatch.setattr(orchestration, "evaluate_policy", lambda *a, **k: pytest.fail("evaluated again"))
+    again = orchestration.finalize(run)
+    assert again["eval_after"] == summary["eval_after"] and again["compaction"]["l1_shards_in"] == 0
+    assert tiers(run)["l3"]["rows"] == rows
+
+
+def test_finalize_refuses_a_final_policy_that_does_not_verify_before_any_work(run, monkeypatch):
+    corrupt(run, 0)
+    monkeypatch.setattr(orchestration, "evaluate_policy", lambda *a, **k: pytest.fail("evaluated a bad policy"))
+    with pytest.raises(ReshardError, match="does not verify"):
+        orchestration.finalize(run)
+    assert tiers(run)["l1"]["rows"] == SHARDS * GROUPS * GROUP_SIZE and run.read_json("summary.json") is None
+
+
+def test_publish_phase_reshards_into_a_verified_policy_version_and_is_idempotent(run):
+    checkpoint = orchestration.resolve_sources(run.config())["model"]  # any layout reshard reads
+    out = orchestration.publish_phase(run, 0, 2, checkpoint)
+    assert (out["phase"], out["version"], out["published_now"]) == (0, 2, True) and out["files"] >= 1
+    assert PolicyStore(run).exists(2) and PolicyStore(run).latest() == 2
+    assert orchestration.publish_phase(run, 0, 2, checkpoint)["published_now"] is False  # a retried task
+    corrupt(run, 2)
+    with pytest.raises(ReshardError):  # a retry verifies again
+        orchestration.publish_phase(run, 0, 2, checkpoint)
+
+
+def test_the_replay_gate_condition_is_one_step_of_eligible_groups(run):
+    cfg = run.config()
+    assert orchestration.replay_gate_min_groups(cfg) == cfg.trainer.groups_per_step == GROUPS
+    assert not orchestration.replay_gate_ready(GROUPS - 1, GROUPS)
+    assert orchestration.replay_gate_ready(GROUPS, GROUPS)
+
+
+def test_advance_publishes_finished_phases_and_opens_gates_in_order_once_ready(run, monkeypatch):
+    checkpoint = orchestration.resolve_sources(run.config())["model"]
+    eligible = [GROUPS - 1]
+    monkeypatch.setattr(orchestration, "eligible_replay_groups", lambda r: eligible[0])
+    run.set_marker(RunDir.phase_done_marker(0), {"step": 2, "checkpoint": checkpoint})
+    assert orchestration.advance(run) == ["published policy v2 from phase 0"]
+    assert not run.has_marker(RunDir.replay_gate_marker(0))
+    gate = orchestration.check_replay_gate(run, 0)
+    assert (gate["open"], gate["ready"], gate["eligible"], gate["min_groups"]) == (False, False, GROUPS - 1, GROUPS)
+
+    eligible[0] = GROUPS
+    assert orchestration.advance(run) == [f"opened replay gate 0 ({GROUPS} eligible groups)",
+                                          f"opened replay gate 1 ({GROUPS} eligible groups)"]
+    assert run.marker(RunDir.replay_gate_marker(0))["eligible"] == GROUPS
+    eligible[0] = 0  # an open gate stays open, with the count it opened with
+    assert orchestration.advance(run) == []
+    assert orchestration.check_replay_gate(run, 1) == {"epoch": 1, "open": True, "ready": True, "eligible": GROUPS,
+                                                       "min_groups": GROUPS}
+
+
+def test_stop_after_trainer_names_the_attempt_of_an_unfinished_trainer_and_is_final_after_a_finished_one(
+        run, tmp_path):
+    stop = orchestration.stop_after_trainer(run, by="runner", attempt=3, unfinished="trainer exited with 1")
+    assert (stop["reason"], stop["by"], stop["attempt"]) == ("trainer exited with 1", "runner", 3)
+    assert orchestration.stop_after_trainer(run, by="other", attempt=3)["by"] == "runner"  # stopped already
+    assert orchestration.stop_after_trainer(run, by="other", attempt=4)["attempt"] == 4  # that stop was stale
+    finished = RunDir(f"file://{tmp_path}/runs/r2")
+    finished.create(parse_config({}))
+    finished.set_marker(RunDir.TRAINER_DONE_MARKER, {"step": 4})
+    stop = orchestration.stop_after_trainer(finished, by="runner", attempt=4)
+    assert (stop["reason"], stop["attempt"]) == ("trainer finished", None)

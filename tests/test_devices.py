@@ -1,0 +1,78 @@
+"""Each device-heavy process of a run gets its own accelerators (checked with fake device ids)."""
+
+import json
+import sys
+
+import pytest
+
+from pipeline.config import DevicesConfig, parse_config
+from pipeline.devices import MEMORY_FRACTION_ENV, role_environment, split_devices, trainer_ranks
+
+
+@pytest.mark.parametrize("n", range(2, 9))
+def test_split_is_disjoint_covers_every_device_and_gives_sampling_about_its_share(n):
+    ids = [str(i) for i in range(n)]
+    split = split_devices(ids, 0.3)
+    assert not set(split["sampler"]) & set(split["trainer"])
+    assert split["sampler"] + split["trainer"] == ids
+    assert split["sampler"] and split["trainer"]
+    assert abs(len(split["sampler"]) - 0.3 * n) < 1
+
+
+def test_one_device_is_shared_and_the_sampler_is_told_its_memory_share():
+    cfg = DevicesConfig(sampler_share=0.25)
+    env = {"CUDA_VISIBLE_DEVICES": "3"}
+    assert role_environment("sampler", cfg, env) == {"CUDA_VISIBLE_DEVICES": "3", MEMORY_FRACTION_ENV: "0.250"}
+    assert role_environment("trainer", cfg, env) == {"CUDA_VISIBLE_DEVICES": "3"}
+
+
+def test_a_cpu_only_machine_sets_nothing():
+    assert role_environment("trainer", DevicesConfig(count=0), {}) == {}
+    assert trainer_ranks(DevicesConfig(count=0), 1, {}) == 1
+
+
+def test_local_runner_starts_sampler_and_trainer_on_disjoint_devices(monkeypatch, tmp_path):
+    from pipeline import runner
+    from pipeline.runs import RunDir
+
+    started = {}
+
+    class FakePopen:
+        def __init__(self, argv, env, **kw):
+            started[argv[argv.index("pipeline") + 1]] = (argv, env)
+
+    monkeypatch.setattr(runner.subprocess, "Popen", FakePopen)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2,3,4,5,6,7")
+    cfg = parse_config({})
+    run = RunDir(f"file://{tmp_path}/r1")
+    runner._child("sampler", run, cfg, 1)
+    runner._child("trainer", run, cfg, 1, trainer_ranks(cfg.devices, cfg.trainer.nproc_per_node))
+    sampler = started["sampler"][1]["CUDA_VISIBLE_DEVICES"].split(",")
+    trainer = started["trainer"][1]["CUDA_VISIBLE_DEVICES"].split(",")
+    assert sampler == ["0", "1", "2"] and trainer == ["3", "4", "5", "6", "7"]
+    assert "--nproc-per-node=5" in started["trainer"][0]  # one rank per trainer device
+
+
+def test_airflow_operators_give_each_role_its_devices(monkeypatch, tmp_path):
+    from pipeline.runs import RunDir
+    from plugins.operators import RlhfProcessOperator
+
+    run = RunDir(f"file://{tmp_path}/r2")
+    run.create(parse_config({"devices": {"sampler_share": 0.5}}))
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7")
+    seen = {}
+    for role in ("sampler", "trainer", "finalize"):
+        dump = tmp_path / f"{role}.json"
+
+        class Dumping(RlhfProcessOperator):
+            def build_command(self, context, dump=dump):
+                super().build_command(context)
+                return [sys.executable, "-c",
+                        f"import json, os; json.dump(os.environ.get('CUDA_VISIBLE_DEVICES'), open({str(dump)!r}, 'w'))"]
+
+        op = Dumping(task_id=role, role=role, run_url=run.url)
+        super(RlhfProcessOperator, op).execute({"ti": None})  # the supervising part: start, stream, wait
+        seen[role] = json.loads(dump.read_text())
+    assert seen == {"sampler": "4,5", "trainer": "6,7", "finalize": "6,7"}
+    trainer = RlhfProcessOperator(task_id="t", role="trainer", run_url=run.url).build_command({})
+    assert "--nproc-per-node=2" in trainer
