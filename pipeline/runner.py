@@ -57,6 +57,7 @@ def run_local(cfg: RunConfig, run_url: str | None = None, progress: bool = True)
     t_start = time.time()
     run = orchestration.prepare(cfg, run_url)
     log.info("run directory: %s", run.url)
+    _resume_after_a_runner_stop(run)
     procs: dict[str, subprocess.Popen] = {}
     try:
         procs["sampler"] = _child("sampler", run, cfg, cfg.sampler.threads)
@@ -64,6 +65,10 @@ def run_local(cfg: RunConfig, run_url: str | None = None, progress: bool = True)
                                   trainer_ranks(cfg.devices, cfg.trainer.nproc_per_node))
         follow(run, procs, show_bar=progress, on_tick=lambda: orchestration.advance(run))
         rc = procs["trainer"].wait()
+        if rc == 0 and not run.has_marker(RunDir.TRAINER_DONE_MARKER):
+            stop = run.marker(RunDir.STOP_MARKER) or {}
+            raise RuntimeError(f"the trainer stopped before its last step ({stop.get('reason') or 'stop marker'}); "
+                               "the run is not finished: run the same command again to resume it")
         if rc == 0:
             orchestration.advance(run)  # the last phase's checkpoint becomes the final policy version
         orchestration.stop_after_trainer(run, by="runner", unfinished=f"trainer exited with {rc}")
@@ -73,7 +78,7 @@ def run_local(cfg: RunConfig, run_url: str | None = None, progress: bool = True)
     except BaseException as e:
         # Ctrl-C or a failure: ask both processes to stop at their next poll, then make sure.
         run.request_stop(f"interrupted by {e.signum.name}" if isinstance(e, StopSignal) else
-                         "interrupted" if isinstance(e, KeyboardInterrupt) else f"runner failed: {e}")
+                         "interrupted" if isinstance(e, KeyboardInterrupt) else f"runner failed: {e}", by="runner")
         deadline = time.time() + 15
         for p in procs.values():
             _terminate(p, grace_s=max(0.0, deadline - time.time()))
@@ -82,6 +87,16 @@ def run_local(cfg: RunConfig, run_url: str | None = None, progress: bool = True)
     summary["total_s"] = round(time.time() - t_start, 2)
     run.write_json("summary.json", summary)
     return summary
+
+
+def _resume_after_a_runner_stop(run: RunDir) -> None:
+    """Rerunning `rlhf run` on an unfinished run resumes it: the stop marker an earlier runner
+    wrote when it was interrupted or failed is removed (a user's stop stays, and so does the one
+    after a finished trainer)."""
+    stop = run.marker(RunDir.STOP_MARKER)
+    if stop and stop.get("by") == "runner" and not run.has_marker(RunDir.TRAINER_DONE_MARKER):
+        run.delete_marker(RunDir.STOP_MARKER)
+        log.info("resuming %s: removed the stop of the previous attempt (%s)", run.url, stop.get("reason"))
 
 
 def _terminate(p: subprocess.Popen, grace_s: float = 10.0) -> None:

@@ -226,6 +226,11 @@ class RunDir:
         the one after the trainer finished) is final."""
         self.set_marker(self.STOP_MARKER, {"reason": reason, "by": by, "attempt": attempt})
 
+    def delete_marker(self, name: str) -> None:
+        from .storage import delete
+
+        delete(self.fs, self.path(self._marker(name)))
+
     def stop_marker(self, attempt: int | None = None) -> dict | None:
         """The stop marker's payload; None when there is none, or when it is stale for `attempt`:
         it ended an earlier attempt (its `attempt` < `attempt`) and the trainer has not finished."""

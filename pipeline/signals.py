@@ -62,3 +62,15 @@ def default_stop_signals() -> None:
     handles all three) instead of inheriting an ignore meant for the runner."""
     for sig in STOP_SIGNALS:
         signal.signal(sig, signal.SIG_DFL)
+    _term_when_parent_dies()
+
+
+def _term_when_parent_dies() -> None:
+    """Linux: SIGTERM this process when the process that started it dies, even by SIGKILL, so a
+    killed runner leaves no sampler or trainer behind (they stop cleanly on SIGTERM)."""
+    import ctypes
+    import sys
+
+    if sys.platform.startswith("linux"):
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)

@@ -47,7 +47,8 @@ def write_hf_folder(folder: str, *, config, tokenizer=None, generation_config=No
                     weights: dict[str, torch.Tensor] | None = None) -> list[str]:
     """Write a Hugging Face model folder on local disk: `config` (a transformers config), the
     generation config and the tokenizer when given, and with `weights` ({name: tensor}) one
-    `model.safetensors`. Returns the names of the files written.
+    `model.safetensors`; a model defined by code in its folder gets that code too. Returns the
+    names of the files written.
 
     The folder appears whole or not at all: it is written beside `folder` and renamed into place,
     so `folder` must not exist or be empty. Tensors that share memory (tied embeddings) are each
@@ -60,6 +61,7 @@ def write_hf_folder(folder: str, *, config, tokenizer=None, generation_config=No
     os.mkdir(tmp)
     try:
         config.save_pretrained(tmp)
+        _copy_shipped_code(config, tmp)
         if generation_config is not None:
             generation_config.save_pretrained(tmp)
         if tokenizer is not None:
@@ -72,6 +74,18 @@ def write_hf_folder(folder: str, *, config, tokenizer=None, generation_config=No
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return names
+
+
+def _copy_shipped_code(config, folder: str) -> None:
+    """A model defined by code in its folder (`auto_map`, loaded with trust_remote_code) loads only
+    beside that code: copy the folder's Python files from where the config was loaded. (transformers
+    copies the configuration's own file, not the modelling one.)"""
+    src = getattr(config, "_name_or_path", "") or ""
+    if not getattr(config, "auto_map", None) or not os.path.isdir(src):
+        return
+    for name in sorted(os.listdir(src)):
+        if name.endswith(".py") and not os.path.exists(os.path.join(folder, name)):
+            shutil.copyfile(os.path.join(src, name), os.path.join(folder, name))
 
 
 def _own_memory(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -170,8 +170,8 @@ class Architecture:
         return out
 
     def check(self, specs: list[TensorSpec], where: str) -> None:
-        """For a known family: every layer present, lm_head unless tied, each recognised tensor of
-        the shape config.json implies. Tied embeddings held twice must agree in shape anyway."""
+        """For a known family: every layer present with the tensors the others hold, lm_head unless
+        tied, each recognised tensor of the shape config.json implies. Tied embeddings held twice must agree in shape anyway."""
         have = {s.name: s for s in specs}
         if self.tied and LM_HEAD in have and EMBED in have and have[LM_HEAD].shape != have[EMBED].shape:
             raise ReshardError(
@@ -183,8 +183,14 @@ class Architecture:
         missing = [EMBED] if EMBED not in have else []
         if not self.tied and LM_HEAD not in have:
             missing.append(LM_HEAD)
-        layers = {int(m.group(1)) for n in have if (m := _LAYER.match(n))}
-        missing += [f"model.layers.{n}.*" for n in range(self.layers or 0) if n not in layers]
+        layers: dict[int, set[str]] = {}
+        for n in have:
+            if m := _LAYER.match(n):
+                layers.setdefault(int(m.group(1)), set()).add(m.group(2))
+        every = set().union(*layers.values()) if layers else set()  # the families' layers all hold the same tensors
+        for n in range(self.layers or 0):
+            missing += [f"model.layers.{n}.{x}" for x in sorted(every - layers.get(n, set()))] or \
+                ([f"model.layers.{n}.*"] if n not in layers else [])
         if missing:
             raise ReshardError(
                 f"{where}: {len(missing)} parameter(s) of the {self.name} config are missing, first "

@@ -59,7 +59,7 @@ def dcp_writer(url: str):
     fs, path = url_to_fs(url)
     if is_local(fs):
         return dcp.FileSystemWriter(path, thread_count=1)
-    from torch.distributed.checkpoint import FsspecWriter
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter  # not exported by the package
 
     return FsspecWriter(url, thread_count=1)
 
@@ -69,7 +69,7 @@ def dcp_reader(url: str):
     fs, path = url_to_fs(url)
     if is_local(fs):
         return dcp.FileSystemReader(path)
-    from torch.distributed.checkpoint import FsspecReader
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 
     return FsspecReader(url)
 

@@ -138,7 +138,6 @@ def publish(src_url: str, dst_url: str, to: str = "hf", *, policy_version: int |
         arch = Architecture.from_config(source.config, source.url)
         arch.check(source.specs, source.url)
         source = _Renamed(source, arch.output_names([s.name for s in source.specs], fmt.kind))
-        _check_tied(source, arch)
         if fmt.kind == "tp":
             arch.check_tp(fmt.degree, source.specs)
         version = policy_version if policy_version is not None else source.policy_version
@@ -153,6 +152,7 @@ def publish(src_url: str, dst_url: str, to: str = "hf", *, policy_version: int |
                 )
             verify(dst_url).raise_if_bad()
             return existing, False
+        _check_tied(source)  # reads two tensors: after the retry above, which has nothing to do
         header = {"format": str(fmt), "version": version, "step": step, "source_format": str(source.format),
                   "architecture": arch.name, "manifest_version": MANIFEST_VERSION}
         return _write(source, fs, root, fmt, arch, header, max_shard_bytes, extra)
@@ -180,7 +180,7 @@ class _Renamed:
         return self.inner.locate(self.names[name])
 
 
-def _check_tied(source: _Renamed, arch: Architecture) -> None:
+def _check_tied(source: _Renamed) -> None:
     """A tied output layer the output drops must be the embedding it stands for: a trainer that
     let the two drift apart would otherwise publish a policy other than the one it trained."""
     if LM_HEAD not in source.dropped:
@@ -189,8 +189,8 @@ def _check_tied(source: _Renamed, arch: Architecture) -> None:
     if not torch.equal(head, embed):
         raise ReshardError(
             f"{source.url}: tie_word_embeddings is true but {LM_HEAD!r} differs from {EMBED!r} (max difference "
-            f"{(head.float() - embed.float()).abs().max().item():.3g}); the weights were untied while training, so "
-            "they are not the tied model config.json describes; set tie_word_embeddings to false in its config.json"
+            f"{(head.float() - embed.float()).abs().max().item():.3g}); a tied model holds one matrix, so these "
+            "weights are not the model config.json describes: set tie_word_embeddings to false if they are meant to differ"
         )
 
 

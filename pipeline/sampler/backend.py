@@ -126,11 +126,12 @@ class SamplerBackend(ABC):
 
 
 def make_backend(name: str, model_dir: str, *, dtype: str, threads: int, seed: int, options: dict | None = None,
-                 max_batch_tokens: int | None = None) -> SamplerBackend:
+                 max_batch_tokens: int | None = None, trust_remote_code: bool = False) -> SamplerBackend:
     if name == "hf":
         from .hf import HFBackend
 
-        return HFBackend(model_dir, dtype=dtype, threads=threads, seed=seed, max_batch_tokens=max_batch_tokens)
+        return HFBackend(model_dir, dtype=dtype, threads=threads, seed=seed, max_batch_tokens=max_batch_tokens,
+                         trust_remote_code=trust_remote_code)
     if name == "vllm":
         spec = importlib.util.find_spec("vllm")
         if spec is None or spec.origin is None:  # absent, or only a namespace folder named vllm
@@ -141,5 +142,5 @@ def make_backend(name: str, model_dir: str, *, dtype: str, threads: int, seed: i
         from .vllm import VLLMBackend
 
         return VLLMBackend(model_dir, dtype=dtype, threads=threads, seed=seed, options=options or {},
-                           max_batch_tokens=max_batch_tokens)
+                           max_batch_tokens=max_batch_tokens, trust_remote_code=trust_remote_code)
     raise ValueError(f"sampler.backend: unknown backend {name!r}; use hf or vllm")

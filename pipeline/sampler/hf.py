@@ -13,13 +13,13 @@ class HFBackend(SamplerBackend):
     name = "hf"
 
     def __init__(self, model_dir: str, *, dtype: str = "float32", threads: int = 1, seed: int = 0,
-                 max_batch_tokens: int | None = None):
+                 max_batch_tokens: int | None = None, trust_remote_code: bool = False):
         super().__init__(seed=seed, max_batch_tokens=max_batch_tokens)
         set_threads(threads)
-        self.tokenizer = load_tokenizer(model_dir)
+        self.tokenizer = load_tokenizer(model_dir, trust_remote_code=trust_remote_code)
         # the process's accelerator, if any (its task gave it its own via CUDA_VISIBLE_DEVICES)
         self.device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
-        self.model = load_model(model_dir, dtype).to(self.device).eval()
+        self.model = load_model(model_dir, dtype, trust_remote_code=trust_remote_code).to(self.device).eval()
         self.eos_ids = eos_token_ids(model_dir, self.tokenizer)
         self.pad_id = self.tokenizer.pad_token_id
 

@@ -131,11 +131,12 @@ class Sampler:
             raise RuntimeError(f"{self.run.url}: no policy published; run `rlhf prepare` first")
         with self.store.lease_latest(sampler_id) as lease:  # retention keeps the version until it is loaded
             self.version = lease.version
-            self.tokenizer = load_tokenizer(lease.path)
+            self.tokenizer = load_tokenizer(lease.path, trust_remote_code=cfg.model.trust_remote_code)
             prompts = _within_length(prompts, self.tokenizer, cfg.data, sampler_id, self.metrics)
             self.backend = make_backend(sc.backend, lease.path, dtype=cfg.model.dtype, threads=sc.threads,
                                         seed=cfg.seed + zlib.crc32(sampler_id.encode()) % 1000, options=sc.vllm,
-                                        max_batch_tokens=sc.max_batch_tokens)
+                                        max_batch_tokens=sc.max_batch_tokens,
+                                        trust_remote_code=cfg.model.trust_remote_code)
         self.buffer = ReplayBuffer(self.run.buffer_url, cfg.buffer)
         self.writer = self.buffer.writer(sampler_id)
         self.stream = PromptStream(prompts, cfg.seed, int(state.get("prompt_position", 0)))

@@ -34,7 +34,7 @@ CPU_ENV_DEFAULTS = {
     "VLLM_CPU_OMP_THREADS_BIND": "nobind",
 }
 # Engine arguments the backend sets itself; `sampler.vllm` may not override them.
-RESERVED_OPTIONS = ("model", "tokenizer", "dtype", "seed", "logprobs_mode", "generation_config")
+RESERVED_OPTIONS = ("model", "tokenizer", "dtype", "seed", "logprobs_mode", "generation_config", "trust_remote_code")
 # Engine arguments named in the run config docs; anything else is passed through to `vllm.LLM`.
 KNOWN_OPTIONS = ("tensor_parallel_size", "gpu_memory_utilization", "max_model_len", "enable_prefix_caching",
                  "enforce_eager", "kv_cache_memory_bytes", "max_num_seqs", "max_num_batched_tokens")
@@ -64,12 +64,15 @@ def ties_embeddings(model_dir: str) -> bool:
 
 def retie_output_layer(model) -> str:
     """Point the output layer at the (reloaded) input embedding again and re-run its post-load
-    processing, which on CPU re-packs the matrix the logits are computed with.
+    processing, which on CPU re-packs the matrix the logits are computed with. Models whose logits
+    come from the embedding module itself (Gemma 1 and 2 have no lm_head) re-pack that module.
 
     Runs inside the engine's worker (`LLM.apply_model`), so it is a module-level function.
     """
     head = getattr(model, "lm_head", None)
     embed = getattr(getattr(model, "model", None), "embed_tokens", None)  # vLLM's decoder-only layout
+    if head is None and hasattr(embed, "quant_method"):
+        head = embed
     if head is None or embed is None or not hasattr(head, "quant_method"):
         raise RuntimeError(
             f"tied embeddings: cannot find lm_head and input embeddings on {type(model).__name__}; "
@@ -84,13 +87,13 @@ class VLLMBackend(SamplerBackend):
     name = "vllm"
 
     def __init__(self, model_dir: str, *, dtype: str = "float32", threads: int = 1, seed: int = 0,
-                 options: dict | None = None, max_batch_tokens: int | None = None):
+                 options: dict | None = None, max_batch_tokens: int | None = None, trust_remote_code: bool = False):
         super().__init__(seed=seed, max_batch_tokens=max_batch_tokens)
         options = dict(options or {})
         clash = [k for k in options if k in RESERVED_OPTIONS]
         if clash:
             raise ValueError(
-                f"sampler.vllm.{clash[0]}: set by the pipeline (from model.path, model.dtype, seed); "
+                f"sampler.vllm.{clash[0]}: set by the pipeline (from model.path, model.dtype, model.trust_remote_code, seed); "
                 f"remove it from sampler.vllm (allowed: {', '.join(KNOWN_OPTIONS)}, or other vllm.LLM arguments)"
             )
         on_cpu = not _cuda_available()
@@ -109,12 +112,12 @@ class VLLMBackend(SamplerBackend):
         from vllm import LLM
 
         model_dir = localize(model_dir)
-        self.tokenizer = load_tokenizer(model_dir)
+        self.tokenizer = load_tokenizer(model_dir, trust_remote_code=trust_remote_code)
         self.eos_ids = eos_token_ids(model_dir, self.tokenizer)
         self.tied = ties_embeddings(model_dir)
         try:
             self.llm = LLM(model=model_dir, dtype=dtype, seed=seed, logprobs_mode="processed_logprobs",
-                           generation_config="vllm", **options)
+                           generation_config="vllm", trust_remote_code=trust_remote_code, **options)
         except TypeError as e:
             raise ValueError(f"sampler.vllm: an option is not a vllm.LLM argument ({e}); "
                              f"fix or remove it (known: {', '.join(KNOWN_OPTIONS)})") from None
@@ -126,7 +129,12 @@ class VLLMBackend(SamplerBackend):
             raise ValueError(f"policy {policy_dir}: tie_word_embeddings differs from the engine's model; "
                              "a reload cannot change the architecture, restart the sampler")
         self.llm.collective_rpc("reload_weights", kwargs={"weights_path": policy_dir})
-        if self.tied:
+        if self.tied and os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0":
+            # in-process engine (the CPU setting): re-pack the output layer the reload left stale.
+            # An engine in its own process (vLLM's default on GPUs) cannot be sent a function
+            # without insecure serialization; there the output layer is the embedding's own
+            # parameter, which the reload updates (nothing re-packs it on GPUs), and the trainer's
+            # actor/logprob_gap after each reload would show a stale one.
             self.llm.apply_model(retie_output_layer)
         # KV blocks cached for earlier prompts hold the old policy's activations.
         self.llm.reset_prefix_cache()

@@ -116,7 +116,7 @@ def build_models(base: str, cfg, world: World, precision: Precision, critic: boo
     """(actor, reference or None). The policy (and critic) are float32 master weights that compute
     in `precision.dtype`; the reference model, never updated, is loaded in that dtype directly."""
     tc = cfg.trainer
-    policy = load_model(base, "float32").to(world.device).train()
+    policy = load_model(base, "float32", trust_remote_code=cfg.model.trust_remote_code).to(world.device).train()
     if tc.gradient_checkpointing:
         policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         policy.config.use_cache = False
@@ -126,7 +126,8 @@ def build_models(base: str, cfg, world: World, precision: Precision, critic: boo
     head = shard(head, world, policy=False) if head is not None else None  # small: computes in fp32
     ref = None
     if tc.kl_coef > 0:
-        ref = shard(load_model(base, cfg.model.dtype).to(world.device).eval().requires_grad_(False), world)
+        ref = load_model(base, cfg.model.dtype, trust_remote_code=cfg.model.trust_remote_code)
+        ref = shard(ref.to(world.device).eval().requires_grad_(False), world)
     return ActorCritic(policy, head), ref
 
 
@@ -141,7 +142,7 @@ class Trainer:
         self.algo = get_algorithm(tc.algorithm)
         self.store = PolicyStore(run)
         base = self.store.local_dir(0)
-        self.tokenizer = load_tokenizer(base)
+        self.tokenizer = load_tokenizer(base, trust_remote_code=cfg.model.trust_remote_code)
         self.precision = Precision.of(cfg.model.dtype, world.device, sharded=world.distributed)
         self.actor, self.ref = build_models(base, cfg, world, self.precision, critic=self.algo.critic)
         policy, critic = self.actor.policy, self.actor.critic
@@ -157,8 +158,8 @@ class Trainer:
         if ck is not None:
             self.state = load_checkpoint(ck, self.actor, self.opt, self.sched)
             log.info("trainer: resumed from %s (step %d)", ck.url, self.state.step)
-            if world.is_main:
-                rollback_metrics(run, self.state.step)
+        if world.is_main:  # also without a checkpoint: a trainer killed before its first one redoes every step
+            rollback_metrics(run, self.state.step)
         self.metrics = run.metrics("trainer") if world.is_main else NullMetrics()
         self.replayed_samples = 0
         self.fresh_samples = 0

@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 from pipeline.processes import group_alive, stop_group, stop_groups
-from plugins.local.client import TERMINAL, AirflowClient, AirflowError
+from plugins.local.client import TERMINAL, AirflowClient, AirflowError, quote
 from plugins.local.folders import configs_folder, dags_folder, plugins_folder
 
 COMPONENTS = {
@@ -300,7 +300,7 @@ class LocalAirflow:
                 "--max-active-runs", str(max_active_runs), "--reprocess-behavior", reprocess]
         if conf:
             args += ["--dag-run-conf", json.dumps(conf)]
-        self._backfill_cli(args)
+        self._backfill_cli(args, dag_id, client)
         runs = {_day_time(r["logical_date"]): r for r in client.dag_runs(dag_id, logical_date=span)
                 if r["run_type"] == "backfill"}
         missing = [d for d in wanted if _day_time(d) not in runs]
@@ -309,20 +309,34 @@ class LocalAirflow:
                                f"{[(r['dag_run_id'], r['state']) for r in client.dag_runs(dag_id, logical_date=span)]}")
         return [runs[_day_time(d)] for d in wanted]
 
-    def _backfill_cli(self, args: list[str]) -> str:
+    def _backfill_cli(self, args: list[str], dag_id: str, client) -> str:
+        before = {b["id"] for b in self._active_backfills(client, dag_id)}
         try:
-            return self._cli(*args, attempts=2)
+            return self._cli(*args, attempts=1)
         except AirflowError as e:
-            if "database is locked" not in str(e) or not self.running().get("scheduler"):
+            if "database is locked" not in str(e):
                 raise
         # SQLite only: creating the runs reads, then writes in one transaction, which fails while the
-        # scheduler commits every second on a busy machine. Write them with the scheduler stopped;
-        # the restarted scheduler then runs them. (Postgres deployments never get here.)
+        # scheduler commits every second on a busy machine. Airflow commits the backfill's own row
+        # first, so the failed attempt may have left an active backfill with none or some of its
+        # runs: cancel it (its queued runs fail, and the retry reprocesses them), or the retry is
+        # refused as "another backfill is running". Then write the runs with the scheduler held;
+        # the restarted scheduler runs them. (Postgres deployments never get here.)
+        for b in self._active_backfills(client, dag_id):
+            if b["id"] not in before:
+                client.request("PUT", f"/api/v2/backfills/{b['id']}/cancel")
+        if not self.running().get("scheduler"):
+            return self._cli(*args)
         self._stop("scheduler")
         try:
             return self._cli(*args)
         finally:
             self._start("scheduler")
+
+    @staticmethod
+    def _active_backfills(client, dag_id: str) -> list[dict]:
+        found = client.request("GET", f"/api/v2/backfills?dag_id={quote(dag_id)}&limit=100")["backfills"]
+        return [b for b in found if b.get("completed_at") is None]
 
 
 def _day_time(iso: str) -> str:

@@ -71,6 +71,7 @@ def test_the_local_runner_takes_every_orchestration_step(run, calls, monkeypatch
 
     procs = {"sampler": Process(polls=10), "trainer": Process(polls=1)}
     monkeypatch.setattr(runner, "_child", lambda role, *a, **k: procs[role])
+    run.set_marker(RunDir.TRAINER_DONE_MARKER, {"step": 4})  # what the (stand-in) trainer writes at its end
     summary = runner.run_local(parse_config(CONFIG), run.url, progress=False)
     assert set(calls) == STEPS
     assert calls[0] == "prepare" and calls[-2:] == ["stop_after_trainer", "finalize"]

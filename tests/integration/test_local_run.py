@@ -174,3 +174,29 @@ def test_run_started_with_sigint_ignored_keeps_ignoring_it_and_stops_on_sigterm(
     proc.send_signal(signal.SIGINT)  # reaches it first, and must change nothing
     proc.send_signal(signal.SIGTERM)
     _assert_stopped_cleanly(proc, run, children, signal.SIGTERM)
+
+
+def test_a_sigkilled_runner_leaves_no_sampler_or_trainer_behind(tmp_path, spawn):
+    proc, run, children = _start_long_run(spawn, tmp_path / "runs" / "it-kill")
+    proc.kill()
+    gone, alive = psutil.wait_procs(children, timeout=30)
+    assert not alive, [c.cmdline() for c in alive]
+
+
+def test_rerunning_an_interrupted_run_resumes_it_to_the_end(tmp_path, spawn):
+    """The runner's own stop (it was interrupted) does not end the run for good: the same command
+    again resumes it; the trainer's metrics then hold each step once, also when it was killed
+    before its first checkpoint."""
+    run_dir = tmp_path / "runs" / "it-resume"
+    args = ["run", "configs/tiny-test.yaml", "--run-dir", str(run_dir), "--no-progress", "--set", "trainer.steps=6",
+            "--set", "trainer.checkpoint_every=0"]
+    env = dict(os.environ, OMP_NUM_THREADS="1", RLHF_TRAINER_KILL_AFTER_STEP="3")
+    first = spawn.run([sys.executable, "-m", "pipeline", *args], env=env, capture_output=True, text=True, timeout=300)
+    assert first.returncode != 0
+    run = RunDir(str(run_dir))
+    assert run.marker("stop")["by"] == "runner"
+    again = _rlhf(spawn, *args)
+    assert again.returncode == 0, again.stderr[-2000:]
+    steps = [r["step"] for r in run.read_metrics("trainer") if "step" in r]
+    assert steps == list(range(1, 7))
+    assert run.has_marker(RunDir.TRAINER_DONE_MARKER) and run.read_json("summary.json")["steps"] == 6
