@@ -18,6 +18,9 @@ import math
 import os
 from typing import Mapping
 
+# The Airflow pool of accelerator slots that device-heavy tasks take (plugins/taskgroups.py) and that
+# a deployment creates with slots = devices (`rlhf airflow up` does for the local one).
+DEVICE_POOL = "rlhf_devices"
 ROLE_DEVICES = {"sampler": "sampler", "trainer": "trainer", "finalize": "trainer", "eval": "trainer"}
 MEMORY_FRACTION_ENV = "RLHF_GPU_MEMORY_FRACTION"
 

@@ -26,14 +26,13 @@ from datetime import timedelta
 from airflow.sdk import Asset, task, task_group, teardown
 from airflow.sdk.exceptions import AirflowException, AirflowFailException
 
+from pipeline.devices import DEVICE_POOL
 from plugins.operators.finalize import FinalizeRunOperator
 from plugins.operators.rlhf import RlhfProcessOperator
 from plugins.sensors.run_dir import PhaseCheckpointSensor, ReplayGateSensor
 
-# One slot per accelerator: the sampler and the trainer of a run each hold one while they run, so
-# two device-heavy tasks never share a device. Create it with slots = devices (`rlhf airflow up`
-# does for the local deployment).
-DEVICE_POOL = "rlhf_devices"
+# One slot per accelerator (pipeline.devices.DEVICE_POOL): the sampler and the trainer of a run
+# each hold one while they run, so two device-heavy tasks never share a device.
 # On CeleryExecutor deployments, device-heavy tasks go to the workers that own the accelerators
 # (docker/compose.yaml: RLHF_DEVICE_QUEUE=gpu); unset, they use the executor's default queue.
 DEVICE_QUEUE = os.environ.get("RLHF_DEVICE_QUEUE") or None

@@ -21,6 +21,7 @@ import sys
 import time
 from pathlib import Path
 
+from pipeline.devices import DEVICE_POOL
 from pipeline.processes import group_alive, stop_group, stop_groups
 from plugins.local.client import TERMINAL, AirflowClient, AirflowError, quote
 from plugins.local.folders import configs_folder, dags_folder, plugins_folder
@@ -33,7 +34,6 @@ COMPONENTS = {
 }
 DEFAULT_HOME = ".airflow"  # under the current directory, as `rlhf run` puts runs/ there
 DEFAULT_RUNS_ROOT = "runs"
-DEVICE_POOL = "rlhf_devices"  # see plugins/taskgroups.py
 # SQLite connect arguments for every component (imported by Airflow by name, see env()): wait up to
 # a minute for a write lock instead of failing with "database is locked" when four components and
 # the task processes write at once.
