@@ -205,7 +205,7 @@ def spawn(argv: list[str], env: dict, log_path: Path, cwd: str | None = None) ->
 def log_actions(buf) -> list[dict]:
     """Every action of the buffer's commit log, in commit order (entries 1 .. the current version;
     gc deletes entries only after `log_retention_s`, a week by default)."""
-    from pipeline.buffer.log import LOG_DIR, entry_name
+    from pipeline.buffer.logfiles import LOG_DIR, entry_name
     from pipeline.storage import join, read_bytes
 
     out = []
@@ -357,7 +357,7 @@ def verify_buffer(run_url: str, env: dict) -> tuple[int, list[str]]:
 
 def check_run(run_url: str, env: dict, finished: bool) -> dict:
     """Every property of a finished (or given-up) run; processes of the run are killed afterwards."""
-    from pipeline.runs import RunDir
+    from pipeline.rundir import RunDir
 
     run = RunDir(run_url)
     cfg = run.config()
@@ -420,7 +420,7 @@ def overrides(steps: int, phases: int) -> dict:
 
 def _trainer_step(run_url: str, since: float = 0.0) -> tuple[int, int | None]:
     """(last step the trainer recorded, first step it recorded after `since`, a wall-clock time)."""
-    from pipeline.runs import RunDir
+    from pipeline.rundir import RunDir
 
     try:
         records = [r for r in RunDir(run_url).read_metrics("trainer") if "step" in r]
@@ -436,7 +436,7 @@ def local_run(ch: Chaos, mode: str, run_url: str, kills: int, steps: int, phases
     model loading); the others fall in the loops: a random number of trainer steps after the
     attempt's first step (at most the remaining steps shared among the remaining kills, so that
     every kill lands whatever the machine's speed), plus up to half a second."""
-    from pipeline.runs import RunDir
+    from pipeline.rundir import RunDir
 
     t0 = time.monotonic()
     sets = [x for k, v in overrides(steps, phases).items() for x in ("--set", f"{k}={v}")]

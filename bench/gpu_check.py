@@ -155,8 +155,8 @@ def build_inputs(p: Profile, work: Path) -> tuple[str, dict]:
     from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
 
     from pipeline.data import write_rows
-    from pipeline.models import build_tokenizer
-    from pipeline.tasks import corpus, make_rows
+    from pipeline.tiny_model import build_tokenizer
+    from pipeline.builtin_tasks import corpus, make_rows
 
     tok = build_tokenizer(corpus("sort", 0))
     eos, pad = tok.eos_token_id, tok.pad_token_id
@@ -199,7 +199,7 @@ def run_config(p: Profile, work: Path, sampler: str, lr: float) -> dict:
 
 def prompt_ids(tok, n: int) -> list[list[int]]:
     from pipeline.models import render_prompt
-    from pipeline.tasks import make_rows
+    from pipeline.builtin_tasks import make_rows
 
     return [tok(render_prompt(tok, r["prompt"]), add_special_tokens=False)["input_ids"]
             for r in make_rows("sort", n, 0, "train")]
@@ -349,7 +349,8 @@ def engine_stage(args) -> int:
     import torch
 
     from pipeline.config import parse_config
-    from pipeline.models import load_tokenizer, set_threads
+    from pipeline.devices import set_threads
+    from pipeline.models import load_tokenizer
     from pipeline.sampler.backend import GenParams, make_backend
 
     p, work = PROFILES[args.profile], Path(args.work)
@@ -501,7 +502,7 @@ def reload_ms(record: dict) -> float | None:
 
 
 def grpo_figures(run_url: str) -> dict:
-    from pipeline.runs import RunDir
+    from pipeline.rundir import RunDir
 
     run = RunDir(run_url)
     summary = run.read_json("summary.json", {}) or {}

@@ -47,7 +47,7 @@ QWEN2_05B = dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num
 CHILD = """
 import json, resource, sys, time
 sys.path.insert(0, {root!r})
-from pipeline.models import set_threads
+from pipeline.devices import set_threads
 set_threads(1)
 from pipeline.reshard import reshard
 sys.path.insert(0, {bench!r})

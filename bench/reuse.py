@@ -64,8 +64,8 @@ def one_run(config: str, overrides: list[str], run_url: str, eval_every: int, th
     from pipeline.config import load_config
     from pipeline.policy import PolicyStore
     from pipeline.orchestration import evaluate_policy
-    from pipeline.runner import run_local
-    from pipeline.runs import RunDir
+    from pipeline.local_runner import run_local
+    from pipeline.rundir import RunDir
 
     cfg = load_config(config, overrides)
     t0 = time.time()

@@ -67,7 +67,7 @@ def cmd_trainer(args) -> int:
 
 def cmd_finalize(args) -> int:
     from .orchestration import finalize
-    from .runs import RunDir
+    from .rundir import RunDir
 
     print(json.dumps(finalize(RunDir(args.run_dir)), indent=1))
     return 0
@@ -76,7 +76,7 @@ def cmd_finalize(args) -> int:
 def cmd_eval(args) -> int:
     from .orchestration import evaluate_policy
     from .policy import PolicyStore
-    from .runs import RunDir
+    from .rundir import RunDir
 
     run = RunDir(args.run_dir)
     version = args.version if args.version is not None else PolicyStore(run).latest()
@@ -85,7 +85,7 @@ def cmd_eval(args) -> int:
 
 
 def cmd_run(args) -> int:
-    from .runner import run_local
+    from .local_runner import run_local
 
     summary = run_local(_config(args), args.run_dir, progress=not args.no_progress)
     keys = ["run_dir", "eval_before", "eval_after", "reward_first", "reward_last", "steps", "samples_generated",

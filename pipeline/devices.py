@@ -1,4 +1,4 @@
-"""Which accelerators each device-heavy process of a run gets.
+"""Which accelerators each device-heavy process of a run gets, and how many CPU threads it uses.
 
 A machine's accelerators (those its processes see: `CUDA_VISIBLE_DEVICES`, else the CUDA device
 count; `devices.count` overrides) are split between sampling and training by
@@ -69,3 +69,14 @@ def trainer_ranks(devices_cfg, nproc_per_node: int, env: Mapping[str, str] | Non
     if nproc_per_node > 1 or not ids:
         return nproc_per_node
     return len(split_devices(ids, devices_cfg.sampler_share)["trainer"])
+
+
+def set_threads(n: int) -> None:
+    """Explicit thread counts: two busy processes on two cores slow each other badly otherwise."""
+    import torch
+
+    torch.set_num_threads(n)
+    try:
+        torch.set_num_interop_threads(1)
+    except RuntimeError:
+        pass  # already set in this process

@@ -26,8 +26,11 @@ import uuid
 import torch
 
 from .data import write_rows
-from .models import build_tiny_model, build_tokenizer, cache_dir, render_prompt, set_threads
-from .tasks import TASKS, corpus, make_rows
+from .devices import set_threads
+from .model_cache import cache_dir
+from .models import render_prompt
+from .tiny_model import build_tiny_model, build_tokenizer
+from .builtin_tasks import TASKS, corpus, make_rows
 
 EXAMPLE_VERSION = 1
 # Supervised warm-start steps per task: enough that sampled answers earn partial credit,

@@ -22,7 +22,7 @@ import json
 import re
 import time
 
-from .runs import MARKER_NAME_CHARS
+from .rundir import MARKER_NAME_CHARS
 from .storage import delete, is_local, list_names, put_atomic, put_if_absent, read_bytes
 
 OBJECT_RE = re.compile(r"^(base|part)-(\d{8})\.jsonl$")

@@ -26,7 +26,7 @@ import os
 import time
 
 from .config import ConfigError, RunConfig
-from .runs import RunDir, new_run_id, run_url_for
+from .rundir import RunDir, new_run_id, run_url_for
 
 log = logging.getLogger("rlhf.orchestration")
 DEFAULT_RUNS_ROOT = "runs"
@@ -38,7 +38,7 @@ def _builtin(spec: str, field: str, seed: int) -> str | None:
         return None
     task = spec.split(":", 1)[1]
     from .example import ensure_example
-    from .tasks import TASKS
+    from .builtin_tasks import TASKS
 
     if task not in TASKS:
         raise ConfigError(f"{field}: unknown built-in {spec!r}; use one of " + ", ".join(f"builtin:{t}" for t in TASKS))
@@ -96,7 +96,7 @@ def prepare(cfg: RunConfig, run_url: str | None = None, runs_root: str = DEFAULT
         stage(src["eval"], run.fs, run.path("data", "eval.parquet"), "data.eval", limit=cfg.data.eval_size)
     store = PolicyStore(run)
     if not store.exists(0):
-        from .models import localize
+        from .model_cache import localize
 
         store.publish_folder(0, localize(src["model"]), {"step": 0, "source": src["model"]})
     run.write_json("prepare.json", {"sources": src, "time": time.time()})
@@ -231,7 +231,7 @@ def evaluate_policy(run: RunDir, version: int, threads: int = 2) -> dict:
     """Held-out score of a published policy version (greedy, the task's reward)."""
     from .data import load_prompts
     from .evaluate import evaluate
-    from .models import set_threads
+    from .devices import set_threads
     from .policy import PolicyStore
     from .sampler.backend import make_backend
     from .scoring import RewardScorer

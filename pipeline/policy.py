@@ -33,8 +33,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Iterator
 
-from .models import cache_dir
-from .runs import RunDir
+from .model_cache import cache_dir
+from .rundir import RunDir
 from .storage import delete, is_local, list_names, put_atomic, read_bytes
 
 log = logging.getLogger("rlhf.policy")

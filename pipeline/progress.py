@@ -7,7 +7,7 @@ import subprocess
 import sys
 import time
 
-from .runs import RunDir
+from .rundir import RunDir
 
 log = logging.getLogger("rlhf.progress")
 

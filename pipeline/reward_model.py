@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from .config import ConfigError
-from .models import localize
+from .model_cache import localize
 
 
 def check_device(device: str, field: str = "reward.device") -> torch.device:

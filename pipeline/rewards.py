@@ -26,7 +26,7 @@ from typing import Any, Callable, Iterable
 
 from .config import ConfigError
 from .math_rewards import boxed_math_score, gsm8k_score
-from .tasks import SCORERS
+from .builtin_tasks import SCORERS
 
 RewardFn = Callable[..., "float | dict"]
 

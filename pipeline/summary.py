@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .runs import RunDir
+from .rundir import RunDir
 
 
 def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:

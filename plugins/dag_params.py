@@ -159,7 +159,7 @@ def runs_root(storage_url: str) -> str:
     if not storage_url:
         return roots[0]
     root = _storage_root(storage_url, "storage_url")
-    from pipeline.runs import url_is_under
+    from pipeline.rundir import url_is_under
 
     if not any(url_is_under(root, allowed) for allowed in roots):
         raise ValueError(f"storage_url: {root!r} is outside the storage roots this deployment allows "
@@ -179,7 +179,7 @@ def allowed_roots() -> list[str]:
 def _storage_root(url: str, field: str) -> str:
     """`url` without a trailing '/', if it is an absolute path or a URL of a supported store and
     has no '..' segment; `field` names where the value came from in the error."""
-    from pipeline.runs import validate_run_url
+    from pipeline.rundir import validate_run_url
 
     root = url.rstrip("/") or "/"
     if "://" in root:

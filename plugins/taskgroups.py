@@ -52,7 +52,7 @@ def reshard(checkpoint: dict) -> dict:
     against its manifest: `orchestration.publish_phase`, the step the local runner takes too.
     Idempotent on retry."""
     from pipeline import orchestration
-    from pipeline.runs import RunDir
+    from pipeline.rundir import RunDir
 
     out = orchestration.publish_phase(RunDir(checkpoint["run_url"]), checkpoint["phase"], checkpoint["step"],
                                       checkpoint["checkpoint"])
@@ -80,7 +80,7 @@ def _stop_sampler(run_url: str, dag_run=None) -> str:
     (having stopped the run), so that clearing only the failed tasks runs it again after the
     resumed trainer."""
     from pipeline import orchestration
-    from pipeline.runs import RunDir
+    from pipeline.rundir import RunDir
 
     from plugins.hooks.run_dir import run_attempt
 
@@ -154,7 +154,7 @@ def prepare_run(dag_id: str, params: dict, conf: dict | None, run_name: str, ext
     """
     from pipeline import orchestration
     from pipeline.config_yaml import apply_overrides
-    from pipeline.runs import run_url_for
+    from pipeline.rundir import run_url_for
 
     from plugins.dag_params import build_config, runs_root
 
@@ -177,7 +177,7 @@ def prepare_run(dag_id: str, params: dict, conf: dict | None, run_name: str, ext
 
 def _unused_or_same(root: str, run_name: str, config) -> str:
     """`run_name`, or the first of `run_name-2`, `-3`, ... that is unused or holds this config."""
-    from pipeline.runs import RunDir, run_url_for
+    from pipeline.rundir import RunDir, run_url_for
 
     for n in range(1, 1000):
         name = run_name if n == 1 else f"{run_name}-{n}"

@@ -32,8 +32,8 @@ def test_a_cpu_only_machine_sets_nothing():
 
 
 def test_local_runner_starts_sampler_and_trainer_on_disjoint_devices(monkeypatch, tmp_path):
-    from pipeline import runner
-    from pipeline.runs import RunDir
+    from pipeline import local_runner as runner
+    from pipeline.rundir import RunDir
 
     started = {}
 
@@ -54,7 +54,7 @@ def test_local_runner_starts_sampler_and_trainer_on_disjoint_devices(monkeypatch
 
 
 def test_airflow_operators_give_each_role_its_devices(monkeypatch, tmp_path):
-    from pipeline.runs import RunDir
+    from pipeline.rundir import RunDir
     from plugins.operators import RlhfProcessOperator
 
     run = RunDir(f"file://{tmp_path}/r2")

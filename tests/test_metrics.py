@@ -9,7 +9,7 @@ import pytest
 from fsspec.implementations.memory import MemoryFileSystem
 
 from pipeline.metrics import MetricsLog
-from pipeline.runs import RunDir
+from pipeline.rundir import RunDir
 
 
 @pytest.fixture

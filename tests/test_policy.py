@@ -8,7 +8,7 @@ import uuid
 import pytest
 
 from pipeline.policy import LOCAL_COPIES, PolicyStore, version_dirname
-from pipeline.runs import RunDir
+from pipeline.rundir import RunDir
 from pipeline.weights import load_state_dict
 
 

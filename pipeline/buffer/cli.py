@@ -18,11 +18,11 @@ from ..config import BufferConfig, ConfigError
 def open_buffer(url: str):
     from ..storage import join, url_to_fs
     from .buffer import ReplayBuffer
-    from .log import LOG_DIR
+    from .logfiles import LOG_DIR
 
     fs, root = url_to_fs(url)
     if fs.exists(join(root, "config.yaml")):
-        from ..runs import RunDir
+        from ..rundir import RunDir
 
         run = RunDir(url)
         return ReplayBuffer(run.buffer_url, run.config().buffer)

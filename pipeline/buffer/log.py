@@ -48,8 +48,7 @@ from .state import BufferState
 
 log = logging.getLogger(__name__)
 
-__all__ = ["CommitLog", "CommitConflict", "CorruptLog", "UnsupportedLogFormat", "shards_still_live", "LOG_DIR",
-           "LOG_FORMAT", "POINTER", "TIP", "checkpoint_name", "entry_name", "seal", "unseal"]
+__all__ = ["CommitLog", "CommitConflict", "shards_still_live"]
 
 _REMOTE_PROBE = 8  # most entries read in parallel when catching up on remote storage
 _CONTENDED_APPENDS = 16  # appends that use and update the tip hint after the last lost race

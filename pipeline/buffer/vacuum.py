@@ -14,7 +14,7 @@ import time
 from typing import TYPE_CHECKING
 
 from ..storage import delete, join, list_files
-from .log import LOG_DIR, POINTER, CorruptLog, UnsupportedLogFormat, checkpoint_name, entry_name
+from .logfiles import LOG_DIR, POINTER, CorruptLog, UnsupportedLogFormat, checkpoint_name, entry_name
 from .schema import SchemaError
 from .shards import CorruptShard, group_layout, read_shard
 from .state import BufferState

@@ -20,7 +20,7 @@ def _prompt_ids(data: str, policy_dir: str, limit: int, seed: int) -> list[list[
 
     if data.startswith("builtin:"):
         from ..example import ensure_example
-        from ..tasks import TASKS
+        from ..builtin_tasks import TASKS
 
         task = data.split(":", 1)[1]
         if task not in TASKS:

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from ..models import eos_token_ids, load_model, load_tokenizer, set_threads
+from ..devices import set_threads
+
+from ..models import eos_token_ids, load_model, load_tokenizer
 from ..weights import load_state_dict
 from .backend import Completion, GenParams, SamplerBackend
 

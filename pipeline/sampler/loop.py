@@ -24,9 +24,10 @@ from ..buffer import ReplayBuffer
 from ..buffer.schema import content_hash, to_table
 from ..config import validate_name
 from ..data import PromptRow, filter_overlong, load_prompts
-from ..models import load_tokenizer, render_prompt, set_threads
+from ..devices import set_threads
+from ..models import load_tokenizer, render_prompt
 from ..policy import PolicyStore
-from ..runs import RunDir
+from ..rundir import RunDir
 from ..scoring import BatchScores, RewardError, RewardSample, RewardScorer, check_sources
 from .backend import GenParams, make_backend
 

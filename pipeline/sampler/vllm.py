@@ -24,7 +24,9 @@ import logging
 import os
 
 from ..devices import MEMORY_FRACTION_ENV
-from ..models import eos_token_ids, load_tokenizer, localize, set_threads
+from ..devices import set_threads
+from ..model_cache import localize
+from ..models import eos_token_ids, load_tokenizer
 from .backend import Completion, GenParams, SamplerBackend
 
 CPU_ENV_DEFAULTS = {

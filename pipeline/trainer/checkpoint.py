@@ -29,7 +29,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 
 from ..reshard.checkpoint import dcp_reader, read_meta, save_dcp
 from ..reshard.layout import DCP_DIR, META
-from ..runs import RunDir
+from ..rundir import RunDir
 from ..storage import list_names
 from ..weights import write_hf_folder
 from .critic import ActorCritic

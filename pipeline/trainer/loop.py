@@ -28,10 +28,11 @@ import pyarrow as pa
 import torch
 
 from ..buffer import ReplayBuffer
-from ..models import load_model, load_tokenizer, set_threads
+from ..devices import set_threads
+from ..models import load_model, load_tokenizer
 from ..orchestration import replay_gate_min_groups, replay_gate_ready
 from ..policy import PolicyStore
-from ..runs import RunDir
+from ..rundir import RunDir
 from .algorithms import get_algorithm
 from .batch import collate
 from .checkpoint import TrainerState, latest_checkpoint, load_checkpoint, save_checkpoint

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from ..config import TrainerConfig
 from ..policy import PolicyStore
-from ..runs import RunDir
+from ..rundir import RunDir
 from .distributed import World
 from .phases import phase_end_steps
 

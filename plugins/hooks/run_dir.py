@@ -52,7 +52,7 @@ class RunDirHook(BaseHook):
     @property
     def run(self):
         if self._run is None:
-            from pipeline.runs import RunDir
+            from pipeline.rundir import RunDir
 
             self._run = RunDir(self.run_url)
         return self._run

@@ -20,7 +20,7 @@ def _progress_line(client: AirflowClient, dag_id: str, run_id: str, run_state: s
     step = ""
     try:
         run_url = client.xcom(dag_id, run_id, "prepare", "run_url")
-        from pipeline.runs import RunDir
+        from pipeline.rundir import RunDir
 
         records = RunDir(run_url).read_metrics("trainer")
         if records:

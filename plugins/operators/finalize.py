@@ -27,7 +27,7 @@ class FinalizeRunOperator(RlhfProcessOperator):
     def execute(self, context) -> dict:
         super().execute(context)
         from pipeline.policy import PolicyStore, version_dirname
-        from pipeline.runs import RunDir
+        from pipeline.rundir import RunDir
 
         run = RunDir(self.run_url)
         version = PolicyStore(run).latest()

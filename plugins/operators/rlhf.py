@@ -18,7 +18,7 @@ LOOP_ROLES = ("sampler", "trainer")
 
 def engine_command(role: str, run_url: str, extra_args: Sequence[str] = (), nproc: int = 1) -> list[str]:
     """argv that runs one engine role with the worker's own interpreter (same environment)."""
-    from pipeline.runner import engine_argv
+    from pipeline.local_runner import engine_argv
 
     if role not in ROLES:
         raise ValueError(f"role {role!r}: choose one of {', '.join(ROLES)}")
@@ -53,7 +53,7 @@ class RlhfProcessOperator(SupervisedProcessOperator):
         nproc = 1
         if self.role == "trainer":  # one rank per trainer accelerator of this worker (pipeline.devices)
             from pipeline.devices import trainer_ranks
-            from pipeline.runs import RunDir
+            from pipeline.rundir import RunDir
 
             cfg = RunDir(self.run_url).config()
             nproc = trainer_ranks(cfg.devices, cfg.trainer.nproc_per_node, os.environ)
@@ -68,7 +68,7 @@ class RlhfProcessOperator(SupervisedProcessOperator):
         return result
 
     def _resume_after_clear(self, context) -> None:
-        from pipeline.runs import RunDir
+        from pipeline.rundir import RunDir
 
         run = RunDir(self.run_url)
         attempt = run_attempt(context)
@@ -81,7 +81,7 @@ class RlhfProcessOperator(SupervisedProcessOperator):
                              stop.get("reason") or "no reason given", stop.get("by") or "unknown", self.role)
 
     def _fail_if_the_trainer_did_not_finish(self, context) -> None:
-        from pipeline.runs import RunDir
+        from pipeline.rundir import RunDir
 
         run = RunDir(self.run_url)
         stop = run.stop_marker(run_attempt(context))
@@ -95,7 +95,7 @@ class RlhfProcessOperator(SupervisedProcessOperator):
         """The accelerators of this role on this worker (`pipeline.devices`): the sampler and the
         trainer of a run never both take `cuda:0`."""
         from pipeline.devices import role_environment
-        from pipeline.runs import RunDir
+        from pipeline.rundir import RunDir
 
         env = role_environment(self.role, RunDir(self.run_url).config().devices, os.environ)
         if env:

@@ -16,7 +16,7 @@ from pipeline.config import parse_config
 from pipeline.models import load_tokenizer
 from pipeline.policy import PolicyStore
 from pipeline.orchestration import prepare
-from pipeline.runs import RunDir
+from pipeline.rundir import RunDir
 from pipeline.trainer.checkpoint import list_checkpoints
 from pipeline.trainer.loop import FAULT_ENV
 from plugins.operators import RlhfProcessOperator

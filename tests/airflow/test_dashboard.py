@@ -3,7 +3,7 @@
 import pytest
 from fastapi.testclient import TestClient
 
-from pipeline.runs import RunDir
+from pipeline.rundir import RunDir
 from plugins.dashboard.app import create_app, get_locator
 
 DAG_ID, RUN_ID = "rlhf_train", "manual__2026-01-01T00:00:00+00:00"
@@ -37,7 +37,7 @@ def token(auth_manager):
 @pytest.fixture
 def run(tmp_path):
     from pipeline.config import parse_config
-    from pipeline.runs import RunDir
+    from pipeline.rundir import RunDir
 
     run = RunDir(f"file://{tmp_path}/runs/r1")
     run.create(parse_config({"trainer": {"steps": 4, "phases": 2, "replay_epochs": 1, "groups_per_step": 4},

@@ -53,7 +53,7 @@ def engine_pids(role: str, run_url: str) -> list[int]:
 def deployment():
     from pipeline.data import write_rows
     from pipeline.example import ensure_example
-    from pipeline.tasks import make_rows
+    from pipeline.builtin_tasks import make_rows
 
     # Not under pytest's basetemp: pytest removes old basetemps of *other* sessions on this machine,
     # which would delete the metadata DB of a deployment that outlives them.
@@ -123,7 +123,7 @@ def train_run(deployment):
             code, body = client.call("GET", f"/api/v2/dags/rlhf_train/dagRuns/{run_id}/taskInstances/prepare/xcomEntries/run_url")
             run_url = body["value"] if code == 200 else None
         if run_url and killed is None:
-            from pipeline.runs import RunDir
+            from pipeline.rundir import RunDir
 
             run = RunDir(run_url)
             if run.has_marker("trainer_done"):
@@ -164,7 +164,7 @@ def test_sampler_and_trainer_ran_at_the_same_time(train_run):
 
 def test_each_phase_published_a_policy_that_verifies(train_run):
     from pipeline.policy import PolicyStore
-    from pipeline.runs import RunDir
+    from pipeline.rundir import RunDir
 
     run = RunDir(train_run["run_url"])
     store = PolicyStore(run)
@@ -178,7 +178,7 @@ def test_each_phase_published_a_policy_that_verifies(train_run):
 
 def test_killed_trainer_resumed_on_retry_without_training_a_rollout_twice(train_run):
     from pipeline.buffer import ReplayBuffer
-    from pipeline.runs import RunDir
+    from pipeline.rundir import RunDir
 
     assert train_run["killed"] is not None, "the trainer process was never seen"
     assert train_run["tis"]["trainer"][0]["try_number"] >= 2

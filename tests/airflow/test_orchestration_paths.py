@@ -13,7 +13,7 @@ import pytest
 
 from pipeline import orchestration
 from pipeline.config import parse_config
-from pipeline.runs import RunDir
+from pipeline.rundir import RunDir
 
 STEPS = {"prepare", "publish_phase", "check_replay_gate", "stop_after_trainer", "finalize"}
 CONFIG = {"trainer": {"steps": 4, "phases": 2, "replay_epochs": 1, "groups_per_step": 4}}
@@ -67,7 +67,7 @@ class Process:
 
 
 def test_the_local_runner_takes_every_orchestration_step(run, calls, monkeypatch):
-    import pipeline.runner as runner
+    import pipeline.local_runner as runner
 
     procs = {"sampler": Process(polls=10), "trainer": Process(polls=1)}
     monkeypatch.setattr(runner, "_child", lambda role, *a, **k: procs[role])

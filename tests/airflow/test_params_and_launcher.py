@@ -121,7 +121,7 @@ def test_prepare_run_refuses_a_storage_url_outside_the_allowed_roots_before_writ
 
 def test_prepare_run_creates_the_run_under_an_allowed_storage_url(storage_roots, monkeypatch):
     import pipeline.orchestration
-    from pipeline.runs import RunDir
+    from pipeline.rundir import RunDir
     from plugins.taskgroups import prepare_run
 
     urls = []

@@ -19,7 +19,7 @@ def test_partition_files_are_concatenated_into_one_staged_file(tmp_path):
     import pyarrow.parquet as pq
 
     from pipeline.data import write_rows
-    from pipeline.tasks import make_rows
+    from pipeline.builtin_tasks import make_rows
 
     part = tmp_path / "prompts" / "ds=2026-11-15"
     write_rows(make_rows("sort", 5, 1, "train"), str(part / "a.parquet"))
@@ -53,7 +53,7 @@ def test_a_date_rerun_with_other_parameters_gets_its_own_run_directory(tmp_path,
     """A backfill reruns dates that ran; the same parameters find the same run (a retried or
     resumed prepare), other parameters a new directory, so no finished experiment is overwritten."""
     from pipeline.data import write_rows
-    from pipeline.tasks import make_rows
+    from pipeline.builtin_tasks import make_rows
     from plugins.dag_params import run_params
     from plugins.retrain import prepare_retrain
 

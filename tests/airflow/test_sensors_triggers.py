@@ -9,7 +9,7 @@ import pytest
 from airflow.sdk.exceptions import AirflowException, AirflowSensorTimeout, TaskDeferred
 
 import pipeline.orchestration
-from pipeline.runs import RunDir
+from pipeline.rundir import RunDir
 from plugins.sensors import PhaseCheckpointSensor, ReplayGateSensor
 from plugins.triggers import ReplayGateTrigger, RunMarkerTrigger
 
@@ -32,7 +32,7 @@ def eligible(monkeypatch, *counts):
 @pytest.fixture
 def run(tmp_path):
     from pipeline.config import parse_config
-    from pipeline.runs import RunDir
+    from pipeline.rundir import RunDir
 
     run = RunDir(f"file://{tmp_path}/runs/r1")
     run.create(parse_config({"trainer": {"steps": 4, "phases": 2, "replay_epochs": 1, "groups_per_step": 4},

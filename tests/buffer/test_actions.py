@@ -18,7 +18,7 @@ from rollout_factory import make_groups
 from pipeline.buffer import ReplayBuffer
 from pipeline.buffer.actions import (ACTIONS, AddShard, LogEntry, MalformedEntry, MarkConsumed, PromotedGroup,
                                      Quarantine, RecordReplays, RemoveShard, UnknownAction, parse_actions)
-from pipeline.buffer.log import LOG_DIR, entry_name, seal, unseal
+from pipeline.buffer.logfiles import LOG_DIR, entry_name, seal, unseal
 from pipeline.config import BufferConfig, ConfigError, parse_config
 
 T0 = 1_700_000_000.25

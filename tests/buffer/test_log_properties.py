@@ -21,8 +21,8 @@ from rollout_factory import make_groups
 
 from pipeline.buffer import ReplayBuffer
 from pipeline.buffer.actions import LogEntry, Quarantine, UnknownAction
-from pipeline.buffer.log import (LOG_DIR, LOG_FORMAT, POINTER, CorruptLog, UnsupportedLogFormat, checkpoint_name,
-                                 entry_name, seal, unseal)
+from pipeline.buffer.logfiles import (LOG_DIR, LOG_FORMAT, POINTER, CorruptLog, UnsupportedLogFormat, checkpoint_name,
+                                      entry_name, seal, unseal)
 from pipeline.buffer.state import BufferState
 from pipeline.config import BufferConfig
 

@@ -142,7 +142,7 @@ def test_buffer_commands_on_a_path_without_a_buffer_fail_naming_the_path(tmp_pat
 
 def test_buffer_of_a_run_directory_before_the_first_commit_is_empty_not_an_error(tmp_path, capsys):
     from pipeline.config import parse_config
-    from pipeline.runs import RunDir
+    from pipeline.rundir import RunDir
 
     RunDir(str(tmp_path / "run-1")).create(parse_config({}))
     assert rlhf(["buffer", "stats", str(tmp_path / "run-1")]) == 0

@@ -14,7 +14,7 @@ from pipeline.config import parse_config
 from pipeline.models import load_tokenizer
 from pipeline.policy import PolicyStore, version_dirname
 from pipeline.reshard import ReshardError
-from pipeline.runs import RunDir
+from pipeline.rundir import RunDir
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "trainer"))
 from trainer_rollouts import synthetic_shard  # noqa: E402

@@ -2,7 +2,7 @@ import pytest
 
 from pipeline.config import ConfigError
 from pipeline.rewards import REWARD_SOURCES, load_reward_fn, score
-from pipeline.tasks import make_rows, sort_score
+from pipeline.builtin_tasks import make_rows, sort_score
 
 
 def test_builtin_sort_reward_partial_credit():

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from pipeline.config import ConfigError, parse_config
-from pipeline.runs import RunDir, run_url_for, url_is_under, validate_run_url
+from pipeline.rundir import RunDir, run_url_for, url_is_under, validate_run_url
 
 REPO = Path(__file__).resolve().parents[2]
 TRAVERSALS = [

@@ -7,7 +7,7 @@ import pytest
 from pipeline.buffer.schema import ROLLOUT_SCHEMA, SCHEMA_VERSION_KEY, SchemaError, check_schema, content_hash, to_table
 from pipeline.config import ConfigError
 from pipeline.data import PromptRow, filter_overlong, load_prompts, write_rows
-from pipeline.tasks import make_rows
+from pipeline.builtin_tasks import make_rows
 
 
 def _row(i=0):

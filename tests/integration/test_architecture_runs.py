@@ -14,7 +14,7 @@ from pipeline.example import ARCH_FAMILIES, ensure_tiny_arch
 from pipeline.policy import PolicyStore
 from pipeline.reshard import reshard, verify
 from pipeline.reshard.checkpoint import load_model_weights
-from pipeline.runs import RunDir
+from pipeline.rundir import RunDir
 from pipeline.weights import load_state_dict
 
 pytestmark = pytest.mark.integration

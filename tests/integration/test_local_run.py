@@ -12,7 +12,7 @@ import pytest
 
 from pipeline.buffer import ReplayBuffer
 from pipeline.policy import PolicyStore
-from pipeline.runs import RunDir
+from pipeline.rundir import RunDir
 
 pytestmark = pytest.mark.integration
 
@@ -103,7 +103,7 @@ def test_bad_input_fails_fast_with_one_line(tmp_path, spawn, args, needle):
 
 def test_dataset_missing_column_fails_before_model_load(tmp_path, spawn):
     from pipeline.data import write_rows
-    from pipeline.tasks import make_rows
+    from pipeline.builtin_tasks import make_rows
 
     rows = make_rows("digit", 4, 0, "train")
     for r in rows:

@@ -8,7 +8,7 @@ from pipeline.example import ensure_tiny_arch
 from pipeline.models import load_model, load_tokenizer
 from pipeline.policy import PolicyStore
 from pipeline.reshard import save_dcp
-from pipeline.runs import RunDir
+from pipeline.rundir import RunDir
 from pipeline.sampler.hf import HFBackend
 from pipeline.weights import load_state_dict, write_hf_folder
 

@@ -6,7 +6,9 @@ import shutil
 import pytest
 import torch
 
-from pipeline.models import build_tiny_model, build_tokenizer, set_threads
+from pipeline.devices import set_threads
+
+from pipeline.tiny_model import build_tiny_model, build_tokenizer
 
 TEXTS = [f"sort {i} {i * 7 % 10} {i * 3 % 10} -> digits" for i in range(200)]
 

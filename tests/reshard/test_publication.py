@@ -117,7 +117,7 @@ def test_outputs_on_an_fsspec_url_round_trip(tiny, trainer_ckpt, tmp_path):
 
 def test_policy_store_publishes_through_reshard_with_its_manifest_keys(tiny, trainer_ckpt, tmp_path):
     from pipeline.policy import PolicyStore
-    from pipeline.runs import RunDir
+    from pipeline.rundir import RunDir
 
     model, _, full = tiny
     run = RunDir(str(tmp_path / "run-1"))

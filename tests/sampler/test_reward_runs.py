@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from pipeline.data import write_rows
-from pipeline.runs import RunDir
+from pipeline.rundir import RunDir
 
 pytestmark = pytest.mark.integration
 

@@ -13,7 +13,7 @@ import torch
 from pipeline.config import TrainerConfig
 from pipeline.policy import PolicyStore
 from pipeline.reshard.checkpoint import load_model_weights
-from pipeline.runs import RunDir
+from pipeline.rundir import RunDir
 from pipeline.trainer.checkpoint import checkpoint_dir, list_checkpoints, prune
 from pipeline.orchestration import advance
 from pipeline.trainer.phases import phase_end_steps, replay_epoch_steps

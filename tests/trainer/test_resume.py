@@ -67,7 +67,7 @@ def trainer(run_url: str, nproc: int = 1, kill_after: int | None = None) -> int:
 
 
 def final_weights(run_url: str) -> dict[str, torch.Tensor]:
-    from pipeline.runs import RunDir
+    from pipeline.rundir import RunDir
 
     cks = list_checkpoints(RunDir(run_url))
     assert cks and cks[-1].step == 2 * N, [c.step for c in cks]
@@ -84,7 +84,7 @@ def moved(a: dict, run_url: str) -> float:
     """Largest parameter change from policy v0 (the test must not compare two untrained models)."""
     from safetensors.torch import load_file
 
-    from pipeline.runs import RunDir
+    from pipeline.rundir import RunDir
 
     v0 = load_file(os.path.join(PolicyStore(RunDir(run_url)).local_dir(0), "model.safetensors"))
     return max((a[k] - v0[k]).abs().max().item() for k in a)
@@ -112,7 +112,7 @@ def _killed_then_resumed(tmp_path, nproc: int, resume_nproc: int) -> tuple[str, 
     assert rc != 0, "the trainer should have been killed"
     if nproc == 1:
         assert rc == -signal.SIGKILL
-    from pipeline.runs import RunDir
+    from pipeline.rundir import RunDir
 
     run = RunDir(url)
     assert [c.step for c in list_checkpoints(run)] == [N]

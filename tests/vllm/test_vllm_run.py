@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from pipeline.runs import RunDir
+from pipeline.rundir import RunDir
 from pipeline.sampler.parity import GAP_ALARM
 
 pytestmark = [pytest.mark.vllm, pytest.mark.integration]

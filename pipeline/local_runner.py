@@ -18,7 +18,7 @@ from . import orchestration
 from .config import RunConfig
 from .devices import role_environment, trainer_ranks
 from .processes import stop_group
-from .runs import RunDir
+from .rundir import RunDir
 from .signals import StopSignal, default_stop_signals
 
 log = logging.getLogger("rlhf.runner")
