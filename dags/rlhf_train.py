@@ -13,6 +13,7 @@ from datetime import datetime, timedelta
 from airflow.sdk import DAG, task
 
 from plugins.dag_params import run_params
+from plugins.notifiers import RunFailureAlert
 from plugins.taskgroups import training_run, watcher
 
 DAG_ID = "rlhf_train"
@@ -26,6 +27,7 @@ with DAG(
     params=run_params(),
     tags=["rlhf"],
     doc_md=__doc__,
+    on_failure_callback=RunFailureAlert(),  # one alert per failed run (plugins/notifiers.py)
 ) as dag:
 
     @task(multiple_outputs=True, retries=1, retry_delay=timedelta(seconds=10))

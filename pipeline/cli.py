@@ -96,13 +96,15 @@ def cmd_run(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from .builtin_tasks import TASKS
+
     p = argparse.ArgumentParser(prog="rlhf", description="RL post-training of language models: sampler, trainer, buffer.")
     p.add_argument("-v", "--verbose", action="store_true")
     sub = p.add_subparsers(dest="command", required=True)
 
     s = sub.add_parser("init-example", help="build the tiny model and prompt datasets offline")
     s.add_argument("dir")
-    s.add_argument("--task", default="sort", choices=["sort", "digit"])
+    s.add_argument("--task", default="sort", choices=list(TASKS))
     s.add_argument("--seed", type=int, default=0)
     s.set_defaults(fn=cmd_init_example)
 
@@ -135,7 +137,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--version", type=int, default=None)
     s.set_defaults(fn=cmd_eval)
 
-    for module in ("pipeline.buffer.cli", "pipeline.reshard.cli", "pipeline.sampler.cli"):
+    for module in ("pipeline.buffer.cli", "pipeline.reshard.cli", "pipeline.sampler.cli", "pipeline.archive_cli"):
         if importlib.util.find_spec(module) is not None:  # command groups of the optional parts
             importlib.import_module(module).add_parser(sub)
     _add_installed_groups(sub)

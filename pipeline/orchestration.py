@@ -63,8 +63,11 @@ def validate_inputs(cfg: RunConfig) -> dict:
     from .models import ships_required_code
     from .rewards import load_reward_fn
     from .storage import url_to_fs
+    from .tracking import require
 
     load_reward_fn(cfg.reward.fn)
+    for backend in cfg.tracking.backends:  # a missing tracker library fails here, not in the trainer
+        require(backend)
     src = resolve_sources(cfg)
     load_prompts(src["train"], "data.train", limit=1)
     load_prompts(src["eval"], "data.eval", limit=1)
@@ -267,15 +270,18 @@ def finalize(run: RunDir, threads: int = 2) -> dict:
     summary.json (with "compaction" and "final_policy"). Idempotent. Returns the summary."""
     from .policy import PolicyStore
     from .summary import build_summary
+    from .tracking import log_evaluations
 
     store = PolicyStore(run)
     latest = store.latest() or 0
     report = store.verify(latest)  # the policy the run hands on: every file, every checksum
     evals = run.read_json("eval.json", {}) or {}
+    scored = {}
     for v in (0, latest):
         if str(v) not in evals:
-            evals[str(v)] = evaluate_policy(run, v, threads)
+            evals[str(v)] = scored[v] = evaluate_policy(run, v, threads)
             run.write_json("eval.json", evals)
+    log_evaluations(run, scored)  # each at step v: version v is the policy after v steps
     compaction = compact_buffer(run)
     log.info("buffer compaction into L3: %s", compaction)
     summary = build_summary(run, eval_before=evals["0"], eval_after=evals[str(latest)], policy_version=latest)

@@ -1,6 +1,8 @@
 """`rlhf buffer stats|verify|compact|vacuum URL`: inspect and maintain a buffer from a shell.
 
-`rlhf buffer gc` is the same command as `vacuum`, under its earlier name.
+`rlhf buffer gc` is the same command as `vacuum`, under its earlier name. `rlhf buffer rescore
+RUN_DIR --reward SPEC --out PATH` scores a run's archive with another reward into a new dataset
+(pipeline.rescore).
 
 URL is a buffer (`.../<run_id>/buffer`) or a run directory (its `buffer/` and the buffer settings
 of its frozen config are used; empty until the sampler's first commit). Any other path is an error
@@ -61,6 +63,13 @@ def cmd_vacuum(args) -> int:
     return 0
 
 
+def cmd_rescore(args) -> int:
+    from ..rescore import rescore
+
+    _print(rescore(args.run_dir, args.reward, args.out, overrides=args.set, force=args.force))
+    return 0
+
+
 def add_parser(subparsers) -> None:
     p = subparsers.add_parser("buffer", help="inspect and maintain a replay buffer")
     sub = p.add_subparsers(dest="buffer_cmd", required=True)
@@ -88,3 +97,12 @@ def add_parser(subparsers) -> None:
                    help="minimum age of a log entry to delete (default: config)")
     s.set_defaults(fn=cmd_vacuum)
 
+    s = sub.add_parser("rescore", help="score a run's archived rollouts with another reward into a new dataset")
+    s.add_argument("run_dir")
+    s.add_argument("--reward", required=True, metavar="SPEC",
+                   help="as reward.fn (auto, sort, gsm8k, path/file.py:function) or model:PATH for a reward model")
+    s.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="other reward.* settings, e.g. timeout_s=5 or on_error=zero")
+    s.add_argument("--out", required=True, help="output file (.jsonl: JSON lines, else Parquet), outside the run")
+    s.add_argument("--force", action="store_true", help="replace an existing output file")
+    s.set_defaults(fn=cmd_rescore)

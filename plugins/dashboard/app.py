@@ -41,6 +41,21 @@ def get_locator() -> RunLocator:
     return xcom_run_url
 
 
+def dag_run_state(dag_id: str, run_id: str) -> str | None:
+    """The DAG run's state in the metadata database (queued, running, success, failed), or None."""
+    from airflow.models.dagrun import DagRun
+    from airflow.utils.session import create_session
+    from sqlalchemy import select
+
+    with create_session() as session:
+        state = session.scalar(select(DagRun.state).where(DagRun.dag_id == dag_id, DagRun.run_id == run_id))
+        return str(state.value if hasattr(state, "value") else state) if state is not None else None
+
+
+def get_state_lookup() -> Callable[[str, str], "str | None"]:
+    return dag_run_state
+
+
 async def require_run_read_access(request: Request) -> None:
     """Airflow authentication and authorization for every route of this app.
 
@@ -64,12 +79,14 @@ async def require_run_read_access(request: Request) -> None:
         raise HTTPException(status_code=403, detail=f"not allowed to read runs of {dag_id!r}")
 
 
-def _status(dag_id: str, run_id: str, locate: RunLocator) -> dict:
+def _status(dag_id: str, run_id: str, locate: RunLocator, state_of=None) -> dict:
     from plugins.hooks.run_dir import RunDirHook
 
     run_url = locate(dag_id, run_id)
+    state = state_of(dag_id, run_id) if state_of is not None else None
     if not run_url:
-        raise HTTPException(status_code=404, detail=f"run {run_id!r} of {dag_id!r} has no run directory yet")
+        raise HTTPException(status_code=404, detail=f"run {run_id!r} of {dag_id!r} has no run directory yet"
+                                                     + (f" (DAG run {state})" if state else ""))
     from pipeline.config import ConfigError
 
     try:
@@ -78,7 +95,7 @@ def _status(dag_id: str, run_id: str, locate: RunLocator) -> dict:
         raise HTTPException(status_code=404, detail=f"run directory {run_url} is incomplete: {e}") from None
     except ConfigError as e:  # e.g. a run created by an older engine version
         raise HTTPException(status_code=409, detail=f"run directory {run_url}: {e}") from None
-    return {"dag_id": dag_id, "dag_run_id": run_id, **status}
+    return {"dag_id": dag_id, "dag_run_id": run_id, "state": state, **status}
 
 
 def create_app() -> FastAPI:
@@ -86,9 +103,11 @@ def create_app() -> FastAPI:
     guard = [Depends(require_run_read_access)]
 
     @app.get("/api/dags/{dag_id}/runs/{run_id}/status", dependencies=guard)
-    async def run_status(dag_id: str, run_id: str, locate: RunLocator = Depends(get_locator)) -> dict:
-        """Run status as JSON: config, phases and gates, policy versions, buffer tiers, curves."""
-        return await asyncio.to_thread(_status, dag_id, run_id, locate)
+    async def run_status(dag_id: str, run_id: str, locate: RunLocator = Depends(get_locator),
+                         state_of=Depends(get_state_lookup)) -> dict:
+        """Run status as JSON: the DAG run's state, config, phases and gates, policy versions,
+        buffer tiers, curves, and the chart data of the page (`charts`)."""
+        return await asyncio.to_thread(_status, dag_id, run_id, locate, state_of)
 
     @app.get("/dags/{dag_id}/runs/{run_id}", response_class=HTMLResponse, dependencies=guard)
     async def run_page(dag_id: str, run_id: str, request: Request) -> HTMLResponse:

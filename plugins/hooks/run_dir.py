@@ -171,6 +171,30 @@ class RunDirHook(BaseHook):
                         "eligible": (m or {}).get("eligible")})
         return out
 
+    def charts(self, phases: list[dict], versions: list[int], latest: int | None) -> dict:
+        """The dashboard's chart data (`plugins.dashboard.series`): streams as columns over step
+        and wall time, staleness histogram, activity and overlap, phase and gate events, buffer
+        tiers over time, a compact summary of the policy versions."""
+        from plugins.dashboard import series
+
+        run = self.run
+        trainer = run.read_metrics("trainer")
+        samplers = {name: run.read_metrics(name) for name in self.streams() if name.startswith("sampler")}
+        history = series.BufferHistory.of(run.buffer_url)
+        try:
+            history.update(self.buffer().log)
+        except FileNotFoundError:
+            pass
+        return {
+            "streams": {"trainer": series.table(trainer, "step", series.TRAINER_KEYS),
+                        **{name: series.table(recs, "sampler/batch", series.SAMPLER_KEYS) for name, recs in samplers.items()}},
+            "staleness_hist": series.staleness_histogram(trainer),
+            "activity": series.activity(trainer, list(samplers.values())),
+            "events": series.events(run, phases, trainer),
+            "buffer_history": history.series(),
+            "versions": series.version_summary(versions, latest, run.config().trainer.sync_every, list(samplers.values())),
+        }
+
     def status(self) -> dict:
         """Everything the dashboard shows, as one JSON-ready dict."""
         from pipeline.policy import PolicyStore
@@ -179,6 +203,8 @@ class RunDirHook(BaseHook):
         cfg = run.config()
         policy = PolicyStore(run)
         latest = policy.latest()
+        versions = policy.versions()
+        phases = self.phases()
         return {
             "run_id": run.run_id,
             "run_url": run.url,
@@ -192,10 +218,11 @@ class RunDirHook(BaseHook):
             "markers": sorted(run.markers()),
             "stopped": run.stop_requested(),
             "trainer_done": run.has_marker(run.TRAINER_DONE_MARKER),
-            "phases": self.phases(),
-            "policy": {"latest": latest, "versions": policy.versions(),
+            "phases": phases,
+            "policy": {"latest": latest, "versions": versions,
                        "manifest": policy.manifest(latest) if latest is not None else None},
             "buffer": self.buffer_stats(),
             "curves": {**{name: self.curves(name) for name in self.streams()}, "eval": self.eval_curve()},
             "summary": run.read_json("summary.json"),
+            "charts": self.charts(phases, versions, latest),
         }

@@ -13,24 +13,26 @@ DEMO_CONF = {"config_file": "tiny-grpo.yaml"}
 
 
 def _progress_line(client: AirflowClient, dag_id: str, run_id: str, run_state: str, t0: float) -> str:
+    """`[  61s] running · step 194/400 · reward 0.66 · ... · phase 1/1` (`pipeline.progress`), with
+    the tasks that run (before the first trainer step) or failed."""
     tis = client.task_instances(dag_id, run_id)
-    counts: dict[str, int] = {}
-    for ti in tis:
-        counts[ti["state"] or "none"] = counts.get(ti["state"] or "none", 0) + 1
-    step = ""
+    running = sorted({ti["task_id"] for ti in tis if ti["state"] == "running"})
+    failed = sorted({ti["task_id"] for ti in tis if ti["state"] in ("failed", "up_for_retry")})
+    line = ""
     try:
         run_url = client.xcom(dag_id, run_id, "prepare", "run_url")
+        from pipeline.progress import progress_line
         from pipeline.rundir import RunDir
 
-        records = RunDir(run_url).read_metrics("trainer")
-        if records:
-            last = records[-1]
-            reward = last.get("reward/mean")
-            step = f" | trainer step {last.get('step')}" + (f", reward {reward:.3f}" if isinstance(reward, float) else "")
+        line = progress_line(RunDir(run_url))
     except (AirflowError, OSError, ValueError):
-        pass
-    states = ", ".join(f"{k} {v}" for k, v in sorted(counts.items()))
-    return f"[{time.monotonic() - t0:6.0f}s] run {run_state}: {states}{step}"
+        line = ""
+    parts = [f"[{time.monotonic() - t0:6.0f}s] {run_state}"] + ([line] if line else [])
+    if running and (not line or line.startswith("waiting")):
+        parts.append("running: " + ", ".join(running))
+    if failed:
+        parts.append("failed or retrying: " + ", ".join(failed))
+    return " · ".join(parts)
 
 
 def demo(af: LocalAirflow, conf: dict, dag_id: str = "rlhf_train", timeout_s: float = 3600) -> int:

@@ -96,3 +96,44 @@ def test_run_ids_are_escaped_in_the_page():
     html = render_page("d", "<script>alert(1)</script>", "/rlhf/api/x</script>")
     assert "<script>alert(1)" not in html
     assert "x<\\/script>" in html
+
+
+def test_status_carries_the_chart_data_of_the_page(client, token, run):
+    log = run.metrics("trainer")
+    log.log({"step": 4, "reward/mean": 0.5, "staleness/mean": 1.0, "staleness/hist": {"0": 3, "1": 5},
+             "time/start": 10.0, "time/end": 11.0})
+    log.flush()
+    s = client.get(STATUS, headers={"Authorization": f"Bearer {token}"}).json()
+    charts = s["charts"]
+    trainer = charts["streams"]["trainer"]
+    assert trainer["x"] == [1, 2, 3, 4] and len(trainer["t"]) == 4
+    assert trainer["reward/mean"] == [pytest.approx(v) for v in (0.1, 0.2, 0.3, 0.5)]
+    assert charts["staleness_hist"] == {"0": 3, "1": 5}
+    assert [(e["kind"], e["index"], e["step"]) for e in charts["events"]] == [("phase", 0, 2), ("replay_gate", 0, 3)]  # the gate opened after step 3
+    assert charts["versions"]["stored"] == len(s["policy"]["versions"])
+    assert "state" in s  # the DAG run's state (None: this run is not in the metadata database)
+
+
+def test_long_streams_are_averaged_into_at_most_max_points():
+    from plugins.dashboard.series import ranges, table
+
+    records = [{"time": float(i), "step": i, "reward/mean": float(i % 2)} for i in range(1, 2001)]
+    t = table(records, "step", ("reward/mean", "actor/kl"), limit=500)
+    assert len(t["x"]) == 500 and t["x"][-1] == 2000 and "actor/kl" not in t
+    assert set(t["reward/mean"]) == {0.5}  # buckets of 4 consecutive steps, averaged
+    assert ranges([0, 398, 399, 400, 7]) == "v0, v7, v398-v400"
+
+
+def test_buffer_history_replays_the_commit_log(tmp_path):
+    from types import SimpleNamespace as NS
+
+    from plugins.dashboard.series import BufferHistory
+
+    entries = {1: NS(time=1.0, actions=(NS(op="add", path="a", tier="l1", rows=10),)),
+               2: NS(time=2.0, actions=(NS(op="add", path="b", tier="l3", rows=10), NS(op="remove", path="a")))}
+    log = NS(entry_versions=lambda: [1, 2], read_entry=entries.get)
+    h = BufferHistory()
+    h.update(log)
+    entries[3] = NS(time=3.0, actions=(NS(op="add", path="c", tier="l2", rows=4),))
+    h.update(log)  # reads only the new entry
+    assert h.series() == {"t": [1.0, 2.0, 3.0], "l1": [10, 0, 0], "l2": [0, 0, 4], "l3": [0, 10, 10]}

@@ -1,0 +1,124 @@
+"""The tracker backends: TensorBoard event files, an MLflow run, a W&B run.
+
+Imported only when a backend is chosen (pipeline.tracking.open_tracker checks the libraries
+first). Each logs the scalars it is given at the trainer's step, and attaches the run's frozen
+config once, when its run is created.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import time
+
+from . import Tracker, config_params, run_name
+
+WANDB_ID_MAX = 64  # W&B run ids: at most 64 characters
+
+
+class TensorBoardTracker(Tracker):
+    """Event files in <tracking dir>/tensorboard. A resumed trainer writes a new file whose first
+    event purges, for TensorBoard's readers, what the earlier sessions logged after the resumed step."""
+
+    name = "tensorboard"
+
+    def __init__(self, run, cfg, folder: str, resumed_step: int | None):
+        from torch.utils.tensorboard import SummaryWriter
+
+        purge = None if resumed_step is None else resumed_step + 1
+        self.writer = SummaryWriter(log_dir=os.path.join(folder, "tensorboard"), purge_step=purge, flush_secs=30)
+        if resumed_step == 0:
+            self.writer.add_text("config", "```\n" + cfg.to_yaml() + "\n```", 0)
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        for k, v in metrics.items():
+            self.writer.add_scalar(k, v, step)
+
+    def close(self, ok: bool = True) -> None:
+        self.writer.close()
+
+
+def _mlflow_uri(cfg, folder: str) -> str:
+    uri = cfg.tracking.mlflow_uri or "file://" + os.path.join(folder, "mlruns")
+    if uri.startswith("file:") or "://" not in uri:
+        # MLflow 3 refuses file stores unless asked; a local folder is what a laptop run wants
+        os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+    return uri
+
+
+class MlflowTracker(Tracker):
+    """An MLflow run in experiment `tracking.project`, found again by its `rlhf.run_id` tag."""
+
+    name = "mlflow"
+
+    def __init__(self, run, cfg, folder: str, resumed_step: int | None):
+        from mlflow.tracking import MlflowClient
+
+        self.client = client = MlflowClient(tracking_uri=_mlflow_uri(cfg, folder))
+        exp = client.get_experiment_by_name(cfg.tracking.project)
+        if exp is None:
+            try:
+                exp_id = client.create_experiment(cfg.tracking.project)
+            except Exception:  # created meanwhile by another run
+                exp_id = client.get_experiment_by_name(cfg.tracking.project).experiment_id
+        else:
+            exp_id = exp.experiment_id
+        found = client.search_runs([exp_id], filter_string=f"tags.`rlhf.run_id` = '{run.run_id}'", max_results=1)
+        if found:
+            self.run_id = found[0].info.run_id
+            client.update_run(self.run_id, status="RUNNING")
+            return
+        self.run_id = client.create_run(exp_id, run_name=run_name(run, cfg),
+                                        tags={"rlhf.run_id": run.run_id, "rlhf.run_url": run.url}).info.run_id
+        self._attach_config(cfg)
+
+    def _attach_config(self, cfg) -> None:
+        from mlflow.entities import Param
+
+        params = [Param(k, v[:6000]) for k, v in config_params(cfg).items()]
+        for i in range(0, len(params), 100):  # MLflow takes at most 100 params per batch
+            self.client.log_batch(self.run_id, params=params[i:i + 100])
+        self.client.log_text(self.run_id, cfg.to_yaml(), "config.yaml")
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        self.client.log_batch(self.run_id, metrics=[Metric(k, v, now, step) for k, v in metrics.items()])
+
+    def close(self, ok: bool = True) -> None:
+        self.client.set_terminated(self.run_id, "FINISHED" if ok else "FAILED")
+
+
+def wandb_id(run_id: str) -> str:
+    """A W&B run id for a run id: itself when short enough, else a prefix and a hash."""
+    if len(run_id) <= WANDB_ID_MAX:
+        return run_id
+    return run_id[: WANDB_ID_MAX - 17] + "-" + hashlib.blake2b(run_id.encode(), digest_size=8).hexdigest()
+
+
+class WandbTracker(Tracker):
+    """A W&B run (id from the run id, resumed on restart) in <tracking dir>/wandb; offline unless
+    WANDB_API_KEY is set (WANDB_MODE, when set, decides). Every key is charted against
+    `trainer/step`, so evaluations logged after training land at the steps of their versions."""
+
+    name = "wandb"
+
+    def __init__(self, run, cfg, folder: str, resumed_step: int | None):
+        import wandb
+
+        mode = os.environ.get("WANDB_MODE") or ("online" if os.environ.get("WANDB_API_KEY") else "offline")
+        self.run = wandb.init(project=cfg.tracking.project, name=run_name(run, cfg), id=wandb_id(run.run_id),
+                              dir=folder, config=cfg.model_dump(mode="json"), resume="allow", mode=mode,
+                              settings=wandb.Settings(silent=True, console="off"))
+        self.run.define_metric("trainer/step")
+        self.run.define_metric("*", step_metric="trainer/step")
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        self.run.log({**metrics, "trainer/step": step})
+
+    def close(self, ok: bool = True) -> None:
+        self.run.finish(exit_code=0 if ok else 1)
+
+
+OPENERS = {"tensorboard": TensorBoardTracker, "mlflow": MlflowTracker, "wandb": WandbTracker}
