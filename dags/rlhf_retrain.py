@@ -15,6 +15,7 @@ from datetime import datetime, timedelta
 from airflow.sdk import DAG, Param, task
 
 from plugins.dag_params import run_params
+from plugins.notifiers import RunFailureAlert
 from plugins.taskgroups import training_run, watcher
 
 DAG_ID = "rlhf_retrain"
@@ -33,14 +34,16 @@ with DAG(
     },
     tags=["rlhf"],
     doc_md=__doc__,
+    on_failure_callback=RunFailureAlert(),  # one alert per failed run (plugins/notifiers.py)
 ) as dag:
 
     @task(multiple_outputs=True, retries=1, retry_delay=timedelta(seconds=10))
     def prepare(params=None, dag_run=None, **context) -> dict:
         from plugins.dag_params import runs_root
-        from plugins.retrain import partition_date, prepare_retrain
+        from plugins.retrain import partition_date, prepare_retrain, wait_for_earlier_run
 
         date = partition_date(context.get("logical_date"), dag_run)
+        wait_for_earlier_run(context["ti"])
         return prepare_retrain(DAG_ID, dict(params), dag_run.conf, date, runs_root(params["storage_url"]))
 
     @task(retries=1, retry_delay=timedelta(seconds=10))

@@ -16,6 +16,7 @@ import yaml
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, JsonValue, ValidationError, field_validator, model_validator
 
 from .config_yaml import ConfigError, apply_overrides, load_yaml_text, one_line, show_value
+from .tracking_config import TrackingConfig
 
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 
@@ -120,6 +121,8 @@ class SamplerConfig(_Section):
     top_p: float = Field(1.0, gt=0, le=1)
     max_staleness: int = Field(2, ge=0)
     """The sampler waits rather than produce data more than this many versions behind the trainer."""
+    replicas: int = Field(1, ge=1, le=64)
+    """Sampler processes (Airflow: mapped tasks), each its own buffer writer; they claim prompt draws, so none is drawn twice and a slow or lost one holds back no other."""
     threads: int = Field(1, gt=0)
     """torch intra-op threads of the sampler process."""
     poll_s: float = Field(0.2, gt=0)
@@ -188,7 +191,11 @@ class TrainerConfig(_Section):
     keep_checkpoints: int = Field(2, gt=0)
     """Periodic checkpoints kept (the newest K); phase-end checkpoints are always kept."""
     nproc_per_node: int = Field(1, gt=0)
-    """Trainer processes the local runner starts (torchrun + FSDP2 when > 1)."""
+    """Trainer processes per node (torchrun + FSDP2 when the world is > 1)."""
+    nnodes: int = Field(1, ge=1, le=1024)
+    """Trainer nodes (Airflow: mapped trainer tasks) meeting in a torchrun c10d rendezvous; FSDP2 spans all their ranks."""
+    rendezvous: str | None = None
+    """host:port of the trainer's rendezvous when nnodes > 1; empty: node 0 picks a port and publishes its address in the run directory."""
     sync_every: int = Field(1, gt=0)
     """Publish a new policy version for the sampler every N steps."""
     gradient_checkpointing: bool = False
@@ -201,6 +208,8 @@ class TrainerConfig(_Section):
     """Steps between progress log lines."""
     wait_timeout_s: float = Field(600.0, gt=0)
     """Fail if no fresh rollouts arrive (or a replay gate stays closed) for this long."""
+    stall_timeout_s: float = Field(1800.0, ge=0)
+    """Airflow: fail the trainer task (its retries take over) and send a stall alert when no new trainer step is recorded for this long while the task runs; 0 = never."""
 
     @model_validator(mode="after")
     def _phases(self) -> "TrainerConfig":
@@ -284,6 +293,7 @@ class RunConfig(_Section):
     buffer: BufferConfig = BufferConfig()
     eval: EvalConfig = EvalConfig()
     devices: DevicesConfig = DevicesConfig()
+    tracking: TrackingConfig = TrackingConfig()
 
     @field_validator("run_id")
     @classmethod

@@ -10,6 +10,10 @@ never both take `cuda:0`. Evaluation and finalize run after the trainer, on its 
 With a single accelerator both must share it: the sampler is then told the share of its memory
 it may take (`RLHF_GPU_MEMORY_FRACTION`, which the vLLM backend passes as
 `gpu_memory_utilization` unless the config sets that itself). On a CPU-only machine nothing is set.
+
+Where each task gets accelerators of its own (a Celery worker per GPU, a Kubernetes pod with its
+own `nvidia.com/gpu` limit), the deployment sets `RLHF_DEDICATED_DEVICES=1`: a process then takes
+every accelerator it sees, whatever its role, and the sampler is not told to share its memory.
 """
 
 from __future__ import annotations
@@ -23,6 +27,12 @@ from typing import Mapping
 DEVICE_POOL = "rlhf_devices"
 ROLE_DEVICES = {"sampler": "sampler", "trainer": "trainer", "finalize": "trainer", "eval": "trainer"}
 MEMORY_FRACTION_ENV = "RLHF_GPU_MEMORY_FRACTION"
+DEDICATED_ENV = "RLHF_DEDICATED_DEVICES"
+
+
+def dedicated(env: Mapping[str, str] | None = None) -> bool:
+    """Whether the accelerators this process sees belong to its task alone (see the module doc)."""
+    return (os.environ if env is None else env).get(DEDICATED_ENV, "").strip().lower() in ("1", "true", "yes")
 
 
 def visible_devices(env: Mapping[str, str] | None = None, count: int | None = None) -> list[str]:
@@ -48,18 +58,34 @@ def split_devices(ids: list[str], sampler_share: float) -> dict[str, list[str]]:
     return {"sampler": ids[:n], "trainer": ids[n:]}
 
 
-def role_environment(role: str, devices_cfg, env: Mapping[str, str] | None = None) -> dict[str, str]:
-    """Variables to set for the process of `role` (sampler, trainer, finalize, eval)."""
+def role_environment(role: str, devices_cfg, env: Mapping[str, str] | None = None, *, replica: int = 0,
+                     replicas: int = 1) -> dict[str, str]:
+    """Variables to set for the process of `role` (sampler, trainer, finalize, eval). Sampler
+    replica `replica` of the `replicas` on this machine gets its own slice of the sampling
+    accelerators (with fewer accelerators than replicas, one of them in turn)."""
     if role not in ROLE_DEVICES:
         raise ValueError(f"role {role!r}: choose one of {', '.join(ROLE_DEVICES)}")
     ids = visible_devices(env, devices_cfg.count)
     if not ids:
         return {}
+    if dedicated(env):
+        return {"CUDA_VISIBLE_DEVICES": ",".join(ids)}
     split = split_devices(ids, devices_cfg.sampler_share)
-    out = {"CUDA_VISIBLE_DEVICES": ",".join(split[ROLE_DEVICES[role]])}
+    mine = split[ROLE_DEVICES[role]]
+    if ROLE_DEVICES[role] == "sampler" and replicas > 1:
+        mine = replica_slice(mine, replica, replicas)
+    out = {"CUDA_VISIBLE_DEVICES": ",".join(mine)}
     if len(ids) == 1 and ROLE_DEVICES[role] == "sampler":
-        out[MEMORY_FRACTION_ENV] = f"{devices_cfg.sampler_share:.3f}"
+        out[MEMORY_FRACTION_ENV] = f"{devices_cfg.sampler_share / replicas:.3f}"
     return out
+
+
+def replica_slice(ids: list[str], replica: int, replicas: int) -> list[str]:
+    """Replica `replica`'s share of `ids`: contiguous equal slices, or one id in turn when short."""
+    if len(ids) < replicas:
+        return [ids[replica % len(ids)]]
+    per = len(ids) // replicas
+    return ids[replica * per:(replica + 1) * per]
 
 
 def trainer_ranks(devices_cfg, nproc_per_node: int, env: Mapping[str, str] | None = None) -> int:
@@ -68,6 +94,8 @@ def trainer_ranks(devices_cfg, nproc_per_node: int, env: Mapping[str, str] | Non
     ids = visible_devices(env, devices_cfg.count)
     if nproc_per_node > 1 or not ids:
         return nproc_per_node
+    if dedicated(env):
+        return len(ids)
     return len(split_devices(ids, devices_cfg.sampler_share)["trainer"])
 
 

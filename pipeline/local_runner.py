@@ -1,4 +1,4 @@
-"""The local runner: prepare, sampler and trainer as two OS processes, finalize.
+"""The local runner: prepare, sampler(s) and trainer as OS processes, finalize.
 
 It takes the steps the Airflow DAG takes, through the same functions (`pipeline.orchestration`):
 `prepare` (the prepare task), two subprocesses `rlhf sampler` / `rlhf trainer` (the two
@@ -24,21 +24,76 @@ from .signals import StopSignal, default_stop_signals
 log = logging.getLogger("rlhf.runner")
 
 
-def _child(cmd: str, run: RunDir, cfg: RunConfig, threads: int, nproc: int = 1) -> subprocess.Popen:
+def _child(cmd: str, run: RunDir, cfg: RunConfig, threads: int, nproc: int = 1, replica: int = 0,
+           extra_args=(), **launch) -> subprocess.Popen:
     """`python -m pipeline <cmd>` (under torchrun when nproc > 1) on the accelerators of its role."""
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads),
                TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
-    env.update(role_environment(cmd, cfg.devices, os.environ))
+    env.update(role_environment(cmd, cfg.devices, os.environ, replica=replica, replicas=cfg.sampler.replicas))
     # A session of its own: a terminal's Ctrl-C or hangup reaches the runner only, which stops the
     # children through the stop marker (and SIGTERM to their group if they overstay).
-    return subprocess.Popen(engine_argv(cmd, run.url, nproc), env=env,
+    return subprocess.Popen(engine_argv(cmd, run.url, nproc, extra_args, **launch), env=env,
                             start_new_session=True, preexec_fn=default_stop_signals)
 
 
-def engine_argv(role: str, run_url: str, nproc: int = 1, extra_args=()) -> list[str]:
-    """argv of one engine role with this interpreter; several trainer ranks run under torchrun."""
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"] \
-        if nproc > 1 else [sys.executable]
+class Replicas:
+    """Several processes of one role as one process for the runner: running while any runs.
+    Sampler replicas (`all_needed=False`): one that fails while others run is logged and left out
+    (the others claim its share of the draws), and the group fails only if none ended cleanly.
+    Trainer nodes (`all_needed=True`): one failing is the trainer failing, and the others are
+    stopped."""
+
+    def __init__(self, procs: dict[str, subprocess.Popen], all_needed: bool = False):
+        self.procs, self.lost, self.all_needed = procs, set(), all_needed
+
+    @property
+    def pid(self) -> int:
+        return next(iter(self.procs.values())).pid
+
+    def poll(self) -> int | None:
+        codes = {k: p.poll() for k, p in self.procs.items()}
+        failed = [rc for rc in codes.values() if rc not in (None, 0)]
+        if self.all_needed and failed:
+            for p in self.procs.values():
+                if p.poll() is None:
+                    stop_group(p.pid, grace_s=10.0)
+            return failed[0]
+        for k, rc in codes.items():
+            if rc not in (None, 0) and k not in self.lost and len(self.procs) > 1:
+                self.lost.add(k)
+                log.warning("%s exited with %s; %d sampler(s) still running", k, rc,
+                            sum(c is None for c in codes.values()))
+        if any(rc is None for rc in codes.values()):
+            return None
+        if not self.all_needed and 0 in codes.values():
+            return 0  # the replicas that remained finished the run
+        return next((rc for rc in codes.values() if rc != 0), 0)
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.time() + timeout
+        codes = [p.wait(timeout=None if deadline is None else max(0.0, deadline - time.time()))
+                 for p in self.procs.values()]
+        if not self.all_needed and 0 in codes:
+            return 0
+        return next((rc for rc in codes if rc != 0), 0)
+
+
+def sampler_ids(replicas: int) -> list[str]:
+    return [f"sampler-{i}" for i in range(replicas)]
+
+
+def engine_argv(role: str, run_url: str, nproc: int = 1, extra_args=(), *, nnodes: int = 1, node_rank: int = 0,
+                rendezvous: str | None = None, rendezvous_id: str = "rlhf") -> list[str]:
+    """argv of one engine role with this interpreter. Several trainer ranks run under torchrun: on
+    one node standalone, across `nnodes` nodes through the c10d rendezvous at `rendezvous`."""
+    if nnodes > 1:
+        launcher = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nnodes}", f"--node-rank={node_rank}",
+                    f"--nproc-per-node={nproc}", "--rdzv-backend=c10d", f"--rdzv-endpoint={rendezvous}",
+                    f"--rdzv-id={rendezvous_id}"]
+    elif nproc > 1:
+        launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
+    else:
+        launcher = [sys.executable]
     return [*launcher, "-m", "pipeline", role, "--run-dir", run_url, *map(str, extra_args)]
 
 
@@ -60,9 +115,10 @@ def run_local(cfg: RunConfig, run_url: str | None = None, progress: bool = True)
     _resume_after_a_runner_stop(run)
     procs: dict[str, subprocess.Popen] = {}
     try:
-        procs["sampler"] = _child("sampler", run, cfg, cfg.sampler.threads)
-        procs["trainer"] = _child("trainer", run, cfg, cfg.trainer.threads,
-                                  trainer_ranks(cfg.devices, cfg.trainer.nproc_per_node))
+        procs["sampler"] = Replicas({sid: _child("sampler", run, cfg, cfg.sampler.threads, replica=i,
+                                                 extra_args=("--sampler-id", sid))
+                                     for i, sid in enumerate(sampler_ids(cfg.sampler.replicas))})
+        procs["trainer"] = _trainer(run, cfg)
         follow(run, procs, show_bar=progress, on_tick=lambda: orchestration.advance(run))
         rc = procs["trainer"].wait()
         if rc == 0 and not run.has_marker(RunDir.TRAINER_DONE_MARKER):
@@ -80,13 +136,28 @@ def run_local(cfg: RunConfig, run_url: str | None = None, progress: bool = True)
         run.request_stop(f"interrupted by {e.signum.name}" if isinstance(e, StopSignal) else
                          "interrupted" if isinstance(e, KeyboardInterrupt) else f"runner failed: {e}", by="runner")
         deadline = time.time() + 15
-        for p in procs.values():
+        for p in _processes(procs):
             _terminate(p, grace_s=max(0.0, deadline - time.time()))
         raise
     summary = orchestration.finalize(run)
     summary["total_s"] = round(time.time() - t_start, 2)
     run.write_json("summary.json", summary)
     return summary
+
+
+def _trainer(run: RunDir, cfg: RunConfig):
+    """The trainer: one launcher, or with `trainer.nnodes: M` M launchers on this machine standing
+    in for M nodes, meeting at a loopback rendezvous (what M Airflow tasks do across machines)."""
+    nproc = trainer_ranks(cfg.devices, cfg.trainer.nproc_per_node)
+    tc = cfg.trainer
+    if tc.nnodes == 1:
+        return _child("trainer", run, cfg, tc.threads, nproc)
+    from .rendezvous import free_port
+
+    where = tc.rendezvous or f"127.0.0.1:{free_port()}"
+    return Replicas({f"trainer-node-{i}": _child("trainer", run, cfg, tc.threads, nproc, nnodes=tc.nnodes, node_rank=i,
+                                                  rendezvous=where, rendezvous_id=run.run_id)
+                     for i in range(tc.nnodes)}, all_needed=True)
 
 
 def _resume_after_a_runner_stop(run: RunDir) -> None:
@@ -97,6 +168,10 @@ def _resume_after_a_runner_stop(run: RunDir) -> None:
     if stop and stop.get("by") == "runner" and not run.has_marker(RunDir.TRAINER_DONE_MARKER):
         run.delete_marker(RunDir.STOP_MARKER)
         log.info("resuming %s: removed the stop of the previous attempt (%s)", run.url, stop.get("reason"))
+
+
+def _processes(procs: dict) -> list[subprocess.Popen]:
+    return [q for p in procs.values() for q in (p.procs.values() if isinstance(p, Replicas) else [p])]
 
 
 def _terminate(p: subprocess.Popen, grace_s: float = 10.0) -> None:

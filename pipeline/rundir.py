@@ -9,6 +9,7 @@ Layout under the run URL (any fsspec URL, e.g. file:///data/runs/<run_id> or s3:
     checkpoints/step_<N>/    trainer checkpoints (trainer layout)
     policy/v<K>/             policy versions in sampler layout, each committed by its manifest
     markers/<name>.json      phase done, replay gate open, stop, trainer/sampler state
+    claims/<k>.json          prompt draw k, claimed by one sampler replica (pipeline.sampler.claims)
     metrics/<proc>.jsonl     one metrics stream per process (+ metrics/<proc>/ parts, see pipeline.metrics)
     summary.json             written when the run finishes
 
@@ -85,6 +86,20 @@ def url_is_under(url: str, root: str) -> bool:
     return store == root_store and path[: len(root_path)] == root_path
 
 
+# How a run is spread over processes and devices, not what it learns: a run resumes with other
+# values (more or fewer samplers, another trainer node count), which prepare records.
+RESIZABLE = {"sampler": ("replicas", "threads"), "trainer": ("nnodes", "nproc_per_node", "rendezvous", "threads"),
+             "devices": ("sampler_share", "count")}
+
+
+def _learning_settings(config: RunConfig) -> dict:
+    out = config.model_dump()
+    for section, keys in RESIZABLE.items():
+        for k in keys:
+            out[section].pop(k, None)
+    return out
+
+
 class RunDir:
     """A handle on one run directory. Cheap to construct; holds no open files.
 
@@ -94,6 +109,15 @@ class RunDir:
     """Written to stop the run: the sampler, the trainer and waiting sensors obey it (`request_stop`)."""
     TRAINER_DONE_MARKER = "trainer_done"
     """Written by the trainer after its last step: {"step", "replay_epochs_skipped"}."""
+    TRAINER_RENDEZVOUS_MARKER = "trainer_rendezvous"
+    """Written by trainer node 0 of a multi-node trainer: {"endpoint", "time"} (`pipeline.rendezvous`)."""
+
+    @staticmethod
+    def trainer_started_marker(attempt: int | None) -> str:
+        """Written when the trainer task of attempt `attempt` of a DAG run starts, holding the
+        devices of the whole run: {"attempt", "time"}. The run's samplers start only after it
+        (gang scheduling, `plugins/operators/rlhf.py`)."""
+        return f"trainer_started_{int(attempt or 0)}"
 
     @staticmethod
     def phase_done_marker(phase: int) -> str:
@@ -107,7 +131,7 @@ class RunDir:
 
     @staticmethod
     def sampler_state_marker(sampler_id: str) -> str:
-        """The resume state of one sampler replica: {"prompt_position", "batches"}."""
+        """The state of one sampler replica: {"last_draw", "batches"}."""
         return f"sampler_state_{sampler_id.lower()}"
 
     def __init__(self, url: str):
@@ -157,8 +181,9 @@ class RunDir:
 
     def create(self, config: RunConfig) -> bool:
         """Freeze `config` into the run directory. Returns False if the run already existed with the
-        same config (a retried prepare); raises if it existed with a different one, or if the folder
-        holds something else (see `check_creatable`)."""
+        same config (a retried prepare, or a resume at another scale: settings of `RESIZABLE` may
+        change, and the new ones are recorded); raises if it existed with a different one, or if the
+        folder holds something else (see `check_creatable`)."""
         config = config.model_copy(update={"run_id": self.run_id})
         text = config.to_yaml().encode()
         self.check_creatable()
@@ -171,11 +196,13 @@ class RunDir:
         except (ValueError, TypeError, yaml.YAMLError) as e:  # ConfigError, or not a YAML mapping
             raise ConfigError(f"run directory {self.url} holds a config.yaml that is not a run config of "
                               f"rlhf-pipeline ({e}); choose a new or empty folder") from None
-        if existing.model_dump() != config.model_dump():
+        if _learning_settings(existing) != _learning_settings(config):
             raise ConfigError(
                 f"run directory {self.url} already holds a different config; "
                 "choose another run_id or delete the old run"
             )
+        if existing.model_dump() != config.model_dump():  # the same run at another scale
+            put_atomic(self.fs, self.path("config.yaml"), text)
         return False
 
     def config(self) -> RunConfig:

@@ -58,6 +58,8 @@ CONFIG_FIELDS: dict[str, ConfigField] = {
     "sampler_backend": ConfigField("sampler.backend", "Sampler backend"),
     "group_size": ConfigField("sampler.group_size", "Group size"),
     "max_new_tokens": ConfigField("sampler.max_new_tokens", "Max new tokens"),
+    "sampler_replicas": ConfigField("sampler.replicas", "Samplers"),
+    "trainer_nodes": ConfigField("trainer.nnodes", "Trainer nodes"),
     "seed": ConfigField("seed", "Seed"),
 }
 # JSON-schema keys of a config field that carry no constraint; any other key the form cannot

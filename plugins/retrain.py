@@ -8,6 +8,7 @@ from datetime import datetime
 
 PROMPTS_ROOT_ENV = "RLHF_PROMPTS_ROOT"
 DATE_RE = re.compile(r"^\d{4}-\d{2}-\d{2}$")
+QUEUED_WAIT_S = 300.0
 
 
 def partition_date(logical_date: datetime | None, dag_run) -> str:
@@ -46,6 +47,26 @@ def stage_partition(prompts_root: str, date: str, dst_url: str) -> int:
     dst_fs, dst = url_to_fs(dst_url)
     put_atomic(dst_fs, dst, buf.getvalue())
     return table.num_rows
+
+
+def wait_for_earlier_run(ti, poll_s: float = 5.0, timeout_s: float = 12 * 3600) -> None:
+    """Wait while the run of the previous logical date is still going: this date starts from the
+    policy that one registers. The DAG's max_active_runs=1 orders scheduled runs, but a backfill
+    that reprocesses a date which already ran starts that run beside the backfill's own ones."""
+    import time
+
+    previous = ti.get_previous_dagrun()
+    if previous is None:
+        return
+    start = time.monotonic()
+    state = ti.get_dagrun_state(previous.dag_id, previous.run_id)
+    # a queued one may be waiting for a slot this run holds: wait for it only a while
+    while state == "running" or (state == "queued" and time.monotonic() - start < QUEUED_WAIT_S):
+        if time.monotonic() - start > timeout_s:
+            raise TimeoutError(f"the earlier run {previous.run_id} is still {state} after {timeout_s:.0f} s")
+        print(f"waiting for the earlier run {previous.run_id} ({state}): this date starts from its policy")
+        time.sleep(poll_s)
+        state = ti.get_dagrun_state(previous.dag_id, previous.run_id)
 
 
 def prepare_retrain(dag_id: str, params: dict, conf: dict | None, date: str, runs_root: str) -> dict:

@@ -29,13 +29,17 @@ from airflow.sdk.exceptions import AirflowException, AirflowFailException
 from pipeline.devices import DEVICE_POOL
 from plugins.operators.finalize import FinalizeRunOperator
 from plugins.operators.rlhf import RlhfProcessOperator
+from plugins.pod_override import device_task_kwargs
 from plugins.sensors.run_dir import PhaseCheckpointSensor, ReplayGateSensor
 
-# One slot per accelerator (pipeline.devices.DEVICE_POOL): the sampler and the trainer of a run
-# each hold one while they run, so two device-heavy tasks never share a device.
+# The device pool (pipeline.devices.DEVICE_POOL) has one slot per accelerator of the deployment.
 # On CeleryExecutor deployments, device-heavy tasks go to the workers that own the accelerators
 # (docker/compose.yaml: RLHF_DEVICE_QUEUE=gpu); unset, they use the executor's default queue.
 DEVICE_QUEUE = os.environ.get("RLHF_DEVICE_QUEUE") or None
+# Slots of the device pool one run holds (its trainer task, for the whole run): the accelerators a
+# run uses, e.g. 8 for runs that each take an 8-GPU worker. The pool's size is the deployment's
+# accelerator count, so runs that do not fit wait for one to finish (plugins/operators/rlhf.py).
+RUN_SLOTS = max(1, int(os.environ.get("RLHF_RUN_DEVICE_SLOTS") or 1))
 RUN_TIMEOUT = timedelta(hours=12)
 PROCESS_RETRIES = 2
 SENSOR_RETRIES = 2
@@ -105,6 +109,17 @@ def plan_replay_epochs(epochs: list[int]) -> list[int]:
     return list(epochs)
 
 
+@task(retries=1)
+def plan_samplers(replicas: list[int]) -> list[int]:
+    return list(replicas)
+
+
+@task(retries=1)
+def plan_trainer_nodes(nodes: list[int]) -> list[int]:
+    """Trainer nodes 1..M-1 (node 0 is the `trainer` task); none for a one-node trainer."""
+    return list(nodes)
+
+
 @task(trigger_rule="one_failed", retries=0)
 def watcher() -> None:
     """Airflow leaves teardown tasks out when it decides a run's state, and a run whose work failed
@@ -119,8 +134,18 @@ def training_run(dag_id: str, prepared, *, poke_interval: float = 5.0) -> dict:
     device = {"pool": DEVICE_POOL, **({"queue": DEVICE_QUEUE} if DEVICE_QUEUE else {})}
     common = dict(**device, execution_timeout=RUN_TIMEOUT, retries=PROCESS_RETRIES,
                   retry_delay=timedelta(seconds=10))
-    sampler = RlhfProcessOperator(task_id="sampler", role="sampler", run_url=run_url, **common)
-    trainer = RlhfProcessOperator(task_id="trainer", role="trainer", run_url=run_url, **common)
+    # On Kubernetes each device task runs in a pod of its own (plugins/pod_override.py); else {}.
+    # Gang scheduling (RlhfProcessOperator): the trainer holds the pool slots of the whole run; the
+    # sampler replicas and the other trainer nodes take none and start once it runs.
+    gang = {k: v for k, v in common.items() if k != "pool"}
+    sampler = RlhfProcessOperator.partial(
+        task_id="sampler", role="sampler", run_url=run_url, wait_for_trainer=True, **gang,
+        **device_task_kwargs("sampler")).expand(replica=plan_samplers(prepared["samplers"]))
+    trainer = RlhfProcessOperator(task_id="trainer", role="trainer", run_url=run_url, pool_slots=RUN_SLOTS, **common,
+                                  **device_task_kwargs("trainer"))
+    trainer_nodes = RlhfProcessOperator.partial(
+        task_id="trainer_node", role="trainer", run_url=run_url, wait_for_trainer=True, **gang,
+        **device_task_kwargs("trainer")).expand(node=plan_trainer_nodes(prepared["trainer_nodes"]))
     phases = phase_group.partial(run_url=run_url, poke_interval=poke_interval).expand(
         phase=plan_phases(prepared["phases"]))
     gates = ReplayGateSensor.partial(
@@ -128,17 +153,17 @@ def training_run(dag_id: str, prepared, *, poke_interval: float = 5.0) -> dict:
         timeout=RUN_TIMEOUT.total_seconds(), retries=SENSOR_RETRIES, retry_delay=timedelta(seconds=5),
     ).expand(epoch=plan_replay_epochs(prepared["replay_epochs"]))
     finalize = FinalizeRunOperator(task_id="finalize", run_url=run_url, outlets=[policy_asset(dag_id)],
-                                   **device, execution_timeout=timedelta(hours=2), retries=1,
+                                   **device, pool_slots=RUN_SLOTS, **device_task_kwargs("finalize"),
+                                   execution_timeout=timedelta(hours=2), retries=1,
                                    # With replay_epochs=0 the gate mapping is empty, hence skipped:
                                    # that must not skip finalize. A failure upstream still does.
                                    trigger_rule="none_failed",
                                    retry_delay=timedelta(seconds=10))
     # A fresh teardown per DAG: the decorator keeps state between calls.
     stop = teardown(task(task_id="stop_sampler")(_stop_sampler))(run_url)
-    [trainer, phases, gates] >> finalize
+    [trainer, trainer_nodes, phases, gates] >> finalize
     trainer >> stop
-    sampler.set_upstream(prepared.operator)
-    return {"sampler": sampler, "trainer": trainer, "phases": phases, "gates": gates,
+    return {"sampler": sampler, "trainer": trainer, "trainer_nodes": trainer_nodes, "phases": phases, "gates": gates,
             "finalize": finalize, "stop": stop}
 
 
@@ -172,7 +197,8 @@ def prepare_run(dag_id: str, params: dict, conf: dict | None, run_name: str, ext
     n_epochs = int(getattr(config.trainer, "replay_epochs", 0) or 0)
     print(f"{dag_id}: run directory {run.url} ({n_phases} phases, {n_epochs} replay epochs)")
     return {"run_url": run.url, "run_id": run.run_id, "phases": list(range(n_phases)),
-            "replay_epochs": list(range(n_epochs))}
+            "replay_epochs": list(range(n_epochs)), "samplers": list(range(config.sampler.replicas)),
+            "trainer_nodes": list(range(1, config.trainer.nnodes))}
 
 
 def _unused_or_same(root: str, run_name: str, config) -> str:

@@ -26,6 +26,16 @@ def test_one_device_is_shared_and_the_sampler_is_told_its_memory_share():
     assert role_environment("trainer", cfg, env) == {"CUDA_VISIBLE_DEVICES": "3"}
 
 
+def test_dedicated_devices_are_not_split_nor_shared_by_role():
+    """A worker per GPU, or a pod with its own GPU limit: the task takes what it sees."""
+    cfg = DevicesConfig(sampler_share=0.25)
+    one, two = {"CUDA_VISIBLE_DEVICES": "3", "RLHF_DEDICATED_DEVICES": "1"}, {"CUDA_VISIBLE_DEVICES": "4,5", "RLHF_DEDICATED_DEVICES": "1"}
+    assert role_environment("sampler", cfg, one) == {"CUDA_VISIBLE_DEVICES": "3"}
+    assert role_environment("sampler", cfg, two) == role_environment("trainer", cfg, two) == {"CUDA_VISIBLE_DEVICES": "4,5"}
+    assert trainer_ranks(cfg, 1, two) == 2
+    assert trainer_ranks(cfg, 1, {**two, "RLHF_DEDICATED_DEVICES": "0"}) == 1  # shared: the trainer's part of the split
+
+
 def test_a_cpu_only_machine_sets_nothing():
     assert role_environment("trainer", DevicesConfig(count=0), {}) == {}
     assert trainer_ranks(DevicesConfig(count=0), 1, {}) == 1

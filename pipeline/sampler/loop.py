@@ -4,10 +4,13 @@ It runs until the stop marker appears or the trainer is done. Each iteration:
 1. load the newest published policy version in place (no restart), under a lease that keeps
    retention from deleting it meanwhile;
 2. wait while it is more than `max_staleness` versions ahead of the trainer (the rate limiter);
-3. generate `group_size` completions for each of `prompts_per_batch` prompts, record the
+3. claim the run's next prompt draw (`claims.py`: replicas never draw the same batch twice);
+4. generate `group_size` completions for each of `prompts_per_batch` prompts, record the
    behaviour log-probs and the policy version, score the batch (`pipeline.scoring`: a rule
    reward in a worker process with per-sample time limits, or the reward model);
-4. hand the shard (whole groups) to the buffer's asynchronous writer.
+5. hand the shard (whole groups) to the buffer's asynchronous writer, unless other replicas have
+   meanwhile committed so much that it would arrive past the staleness bound (then it is dropped
+   and counted: `sampler/dropped_stale`).
 """
 
 from __future__ import annotations
@@ -30,8 +33,21 @@ from ..policy import PolicyStore
 from ..rundir import RunDir
 from ..scoring import BatchScores, RewardError, RewardSample, RewardScorer, check_sources
 from .backend import GenParams, make_backend
+from .claims import DrawClaims
 
 log = logging.getLogger("rlhf.sampler")
+# Fault injection for the replica tests: "sampler-2=1.5,..." makes those replicas that much slower per batch.
+DELAY_ENV = "RLHF_SAMPLER_DELAY_S"
+
+
+def injected_delay(sampler_id: str) -> float:
+    import os
+
+    for item in os.environ.get(DELAY_ENV, "").split(","):
+        name, _, seconds = item.partition("=")
+        if name.strip() == sampler_id and seconds:
+            return float(seconds)
+    return 0.0
 
 
 def batch_ahead(groups_committed: int, groups_per_step: int, policy_version: int) -> int:
@@ -44,7 +60,7 @@ def batch_ahead(groups_committed: int, groups_per_step: int, policy_version: int
 
 
 class PromptStream:
-    """Deterministic shuffled passes over the prompts, resumable from a position."""
+    """Deterministic shuffled passes over the prompts, readable from any position."""
 
     def __init__(self, prompts: list[PromptRow], seed: int, position: int = 0):
         self.prompts, self.seed, self.position = prompts, seed, position
@@ -140,13 +156,12 @@ class Sampler:
                                         trust_remote_code=cfg.model.trust_remote_code)
         self.buffer = ReplayBuffer(self.run.buffer_url, cfg.buffer)
         self.writer = self.buffer.writer(sampler_id)
-        self.stream = PromptStream(prompts, cfg.seed, int(state.get("prompt_position", 0)))
+        self.stream = PromptStream(prompts, cfg.seed)
+        self.claims = DrawClaims(self.run, sampler_id)
         self.params = GenParams(max_new_tokens=sc.max_new_tokens, temperature=sc.temperature, top_p=sc.top_p)
         self.batches = int(state.get("batches", 0))
-        # Groups produced so far: the buffer's count, or, while our own last shards are still in the
-        # asynchronous writer, the count at start plus what we handed over (whichever is larger).
-        self.committed_at_start = self.buffer.committed_groups()
-        self.handed_over = 0
+        self.dropped = 0
+        self.delay_s = injected_delay(sampler_id)
         self.limiter = self.buffer.rate_limiter()
         self.waited = self.reload_s = 0.0  # since the last logged batch
         log.info("sampler %s: policy v%d, backend %s, %d prompts", sampler_id, self.version, sc.backend, len(prompts))
@@ -160,30 +175,58 @@ class Sampler:
                     self.reload_s += self.backend.load_weights(lease.path)
                     self.version = lease.version
 
-    def throttled(self) -> bool:
-        """Too far ahead of the trainer (staleness bound) or of the buffer's rate limiter."""
+    def ahead(self, draw: int) -> int:
+        """Versions past the staleness bound's reference that draw `draw` would arrive at: its groups
+        come after every committed group and after every earlier draw (a lost draw only lowers this)."""
+        position = max(self.buffer.committed_groups(), draw * self.cfg.sampler.prompts_per_batch)
+        return batch_ahead(position, self.cfg.trainer.groups_per_step, self.version)
+
+    def throttled(self, draw: int | None = None) -> bool:
+        """Too far ahead of the trainer (staleness bound) or of the buffer's rate limiter, for the
+        draw it holds or else the next one it would claim."""
         sc = self.cfg.sampler
-        produced = max(self.buffer.committed_groups(), self.committed_at_start + self.handed_over)
-        return (batch_ahead(produced, self.cfg.trainer.groups_per_step, self.version) > sc.max_staleness
+        return (self.ahead(self.claims.last + 1 if draw is None else draw) > sc.max_staleness
                 or self.limiter.blocked_by(sc.prompts_per_batch) is not None)
 
-    def one_batch(self) -> dict:
-        """Generate, score and hand over one batch of whole groups; returns its metrics record."""
+    def wait(self) -> None:
+        """Wait for a newer policy, or for the trainer to use what is buffered."""
+        time.sleep(self.cfg.sampler.poll_s)
+        self.waited += self.cfg.sampler.poll_s
+        self.reload_if_newer()
+
+    def stopping(self) -> bool:
+        return self.run.stop_requested() or self.run.has_marker(RunDir.TRAINER_DONE_MARKER)
+
+    def one_batch(self) -> dict | None:
+        """Claim a draw, generate, score and hand over its whole groups; returns the batch's metrics
+        record (None when the run stops while the claimed draw waits for the staleness bound)."""
         sc, tok = self.cfg.sampler, self.tokenizer
+        draw = self.claims.next()
+        while self.throttled(draw):  # another replica claimed ahead of what we had seen
+            if self.stopping():
+                return None
+            self.wait()
         t0 = time.time()
+        time.sleep(self.delay_s)
+        self.stream.position = draw * sc.prompts_per_batch
         batch = self.stream.take(sc.prompts_per_batch)
         prompt_ids = [tok(render_prompt(tok, p.messages), add_special_tokens=False)["input_ids"] for p in batch]
         groups = self.backend.generate(prompt_ids, sc.group_size, self.params)
         gen_s = time.time() - t0
         scored, reward_s = _score(self.scorer, batch, groups, self.metrics)
         rows, rewards, tokens = _rows(batch, prompt_ids, groups, scored, self.version, self.sampler_id)
-        self.writer.write(to_table(rows))
-        self.handed_over += len(batch)
+        kept = self.ahead(draw) <= sc.max_staleness  # else other replicas committed past it meanwhile
+        if not kept:
+            self.dropped += 1
+            log.warning("sampler %s: draw %d would arrive past sampler.max_staleness; dropped", self.sampler_id, draw)
+        else:
+            self.writer.write(to_table(rows))
         t1 = time.time()
         self.batches += 1
-        self.run.set_marker(self.state_key, {"prompt_position": self.stream.position, "batches": self.batches})
+        self.run.set_marker(self.state_key, {"last_draw": draw, "batches": self.batches})
         record = {
-            "sampler/batch": self.batches, "sampler/policy_version": self.version, "sampler/samples": len(rows),
+            "sampler/batch": self.batches, "sampler/draw": draw, "sampler/dropped_stale": self.dropped,
+            "sampler/policy_version": self.version, "sampler/samples": len(rows) if kept else 0,
             "sampler/gen_tokens": tokens, "reward/mean": sum(rewards) / len(rewards),
             "timing_s/generate": gen_s, "timing_s/reward": reward_s, "timing_s/batch": t1 - t0,
             **scored.metrics(),
@@ -199,14 +242,14 @@ class Sampler:
 
     def run_until_stopped(self) -> dict:
         try:
-            while not (self.run.stop_requested() or self.run.has_marker(RunDir.TRAINER_DONE_MARKER)):
+            while not self.stopping():
                 self.reload_if_newer()
                 if self.throttled():
-                    # wait for a newer policy, or for the trainer to use what is buffered
-                    time.sleep(self.cfg.sampler.poll_s)
-                    self.waited += self.cfg.sampler.poll_s
+                    self.wait()
                     continue
-                self.metrics.log(self.one_batch())
+                record = self.one_batch()
+                if record is not None:
+                    self.metrics.log(record)
         finally:
             self.writer.close()
             self.metrics.flush()

@@ -1,8 +1,9 @@
 """The persistent trainer: fresh groups from L1, replay epochs over L2, checkpoints, phases.
 
-Policy version k = the weights after k fresh optimizer steps (v0 = the initial model); replay
-updates between fresh steps k and k+1 are part of version k+1. Every rollout carries the version
-that generated it; staleness = trainer version - rollout version.
+Policy version k = the weights after k fresh optimizer steps (v0 = the initial model); the replay
+updates run after fresh step k are part of version k (it is checkpointed and published after
+them). Every rollout carries the version that generated it; staleness = trainer version - rollout
+version.
 
     resume from the newest complete checkpoint (weights, optimizer, scheduler, RNG, L1 cursor)
     for each fresh step:
@@ -29,10 +30,12 @@ import torch
 
 from ..buffer import ReplayBuffer
 from ..devices import set_threads
+from ..lineage import LineageWriter, NullLineage
 from ..models import load_model, load_tokenizer
 from ..orchestration import replay_gate_min_groups, replay_gate_ready
 from ..policy import PolicyStore
 from ..rundir import RunDir
+from ..tracking import Tracker, open_tracker, scalars
 from .algorithms import get_algorithm
 from .batch import collate
 from .checkpoint import TrainerState, latest_checkpoint, load_checkpoint, save_checkpoint
@@ -162,6 +165,9 @@ class Trainer:
         if world.is_main:  # also without a checkpoint: a trainer killed before its first one redoes every step
             rollback_metrics(run, self.state.step)
         self.metrics = run.metrics("trainer") if world.is_main else NullMetrics()
+        # the ledger and the trackers resume with the checkpoint: what came after it is redone
+        self.lineage = LineageWriter(run, self.state.updates) if world.is_main else NullLineage()
+        self.tracker = open_tracker(run, cfg, resumed_step=self.state.step) if world.is_main else Tracker()
         self.replayed_samples = 0
         self.fresh_samples = 0
         self.skipped_epochs: list[int] = []  # replay epochs that never had enough eligible groups
@@ -185,6 +191,7 @@ class Trainer:
             else:
                 self.buffer.mark_consumed(cursor)
         self.fresh_samples += table.num_rows
+        self.lineage.add(table, step=st.step, update=st.updates, version=st.step, kind="fresh", stats=res.stats)
         staleness = version - batch.policy_version
         hist: dict[str, int] = {}
         for s in staleness.tolist():
@@ -207,6 +214,7 @@ class Trainer:
             "actor/lr": self.opt.param_groups[0]["lr"], **res.stats, **extra,
         }
         self.metrics.log(rec)
+        self.tracker.log(scalars(rec), rec["step"])
         return rec
 
     # replay -----------------------------------------------------------------------------------
@@ -231,6 +239,8 @@ class Trainer:
                 self.buffer.update_priorities(rb.keys, [float(res.priorities[index[k]]) for k in rb.keys])
             world.barrier()  # priorities and replay counts are committed before the next draw
             self.replayed_samples += rb.table.num_rows
+            self.lineage.add(rb.table, step=st.step, update=st.updates, version=st.step, kind="replay",
+                             stats=res.stats, weights=rb.weights, replay_epoch=epoch)
             staleness = st.step - batch.policy_version
             self._record(batch, res, t0, time.time(), waited if i == 0 else 0.0, rb.table.num_rows, {
                 "staleness/mean": staleness.float().mean().item(), "staleness/max": int(staleness.max()),
@@ -262,6 +272,15 @@ class Trainer:
             st.replay_epochs_done = e + 1
 
     # the loop ---------------------------------------------------------------------------------
+    def _checkpoint(self, kind: str):
+        """Save a checkpoint; the ledger's rows up to it are written first, so a resume from it
+        finds them (rows written past the newest checkpoint are rolled back on resume); so are the
+        metrics records, which on object storage are buffered into parts."""
+        self.lineage.flush()
+        self.metrics.flush()
+        return save_checkpoint(self.run, self.actor, self.opt, self.sched, self.state, self.tokenizer, self.world,
+                               kind=kind, keep=self.tc.keep_checkpoints)
+
     def run_loop(self) -> dict:
         tc, st, world, run = self.tc, self.state, self.world, self.run
         phase_ends = phase_end_steps(tc)
@@ -270,6 +289,7 @@ class Trainer:
         self.metrics.log({"event": "start", "resumed_step": st.step, "world_size": world.size})
         log.info("trainer: %d steps of %d groups, algorithm %s, %d phase(s), %d replay epoch(s), world size %d",
                  tc.steps, tc.groups_per_step, tc.algorithm, tc.phases, tc.replay_epochs, world.size)
+        ok = False
         try:
             while st.step < tc.steps:
                 rec = self.fresh_step()
@@ -278,14 +298,12 @@ class Trainer:
                     os.kill(os.getpid(), signal.SIGKILL)
                 self.due_replay_epochs(replay_at)
                 if st.step in phase_ends:
-                    ck = save_checkpoint(run, self.actor, self.opt, self.sched, st, self.tokenizer, world,
-                                         kind="phase", keep=tc.keep_checkpoints)
+                    ck = self._checkpoint("phase")
                     if world.is_main:
                         run.set_marker(RunDir.phase_done_marker(phase_ends[st.step]),
                                        {"step": st.step, "checkpoint": ck.url})
                 elif tc.checkpoint_every and st.step % tc.checkpoint_every == 0:
-                    save_checkpoint(run, self.actor, self.opt, self.sched, st, self.tokenizer, world,
-                                    kind="periodic", keep=tc.keep_checkpoints)
+                    self._checkpoint("periodic")
                 if st.step not in phase_ends and st.step % tc.sync_every == 0:
                     publish_policy(run, st.step, self.actor, self.tokenizer, world, dtype=self.precision.dtype)
                     if world.is_main:
@@ -293,10 +311,14 @@ class Trainer:
                 if world.is_main and (st.step % tc.log_every == 0 or st.step == tc.steps):
                     log.info("step %d/%d reward %.3f loss %.4f staleness %.2f tok/s %.0f", st.step, tc.steps,
                              rec["reward/mean"], rec["actor/loss"], rec["staleness/mean"], rec["perf/tokens_per_s"])
+            ok = True
         except TrainerStopped:
+            ok = True
             log.info("trainer: stop requested at step %d", st.step)
         finally:
             self.metrics.flush()
+            self.lineage.flush()
+            self.tracker.close(ok)
         if st.step >= tc.steps and world.is_main:
             # orchestrators stop waiting on the gates of skipped epochs (they will never open)
             run.set_marker(RunDir.TRAINER_DONE_MARKER,

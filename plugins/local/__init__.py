@@ -6,6 +6,8 @@
   AIRFLOW_HOME with SQLite and LocalExecutor: environment, migration, up/down/status, backfill.
 - `supervisor`: the process that runs those components and restarts one that exits
   (`python -m plugins.local.supervisor HOME`).
+- `workers`: Celery workers as more supervised components, for `LocalAirflow` on Postgres with the
+  CeleryExecutor (a small cluster on one machine: tests/cluster).
 - `demo`: trigger `rlhf_train` and follow it.
 - `cli`: the `rlhf airflow` command group, registered through the `rlhf.commands` entry point.
 

@@ -7,6 +7,10 @@ folders (`plugins.local.folders`, so an installed package works too) and a short
 interval. Everything goes through the CLI and the REST API (`plugins.local.client`): nothing here
 imports Airflow.
 
+The same class runs a small cluster on one machine: `database_url` (e.g. Postgres) replaces
+SQLite, and `broker_url` with `workers` (`plugins.local.workers.CeleryWorker`) switches to the
+CeleryExecutor, with each worker one more supervised component (tests/cluster does this).
+
 `airflow dags test` is no substitute: it runs tasks one at a time in one process, which deadlocks
 the sampler and the trainer (each waits for the other).
 """
@@ -25,6 +29,7 @@ from pipeline.devices import DEVICE_POOL
 from pipeline.processes import group_alive, stop_group, stop_groups
 from plugins.local.client import TERMINAL, AirflowClient, AirflowError, quote
 from plugins.local.folders import configs_folder, dags_folder, plugins_folder
+from plugins.local.workers import CeleryWorker, celery_environment
 
 COMPONENTS = {
     "api-server": ["api-server"],
@@ -45,13 +50,23 @@ class LocalAirflow:
     """An Airflow deployment under `home`, serving on 127.0.0.1:`port`."""
 
     def __init__(self, home: str | Path | None = None, port: int = 8080, runs_root: str | None = None,
-                 pool_slots: int = 4, extra_env: dict[str, str] | None = None):
+                 pool_slots: int = 4, extra_env: dict[str, str] | None = None, database_url: str | None = None,
+                 broker_url: str | None = None, workers: tuple[CeleryWorker, ...] | list[CeleryWorker] = ()):
         self.home = Path(home or DEFAULT_HOME).resolve()
         self.port = int(port)
         self.runs_root = runs_root or str(Path(DEFAULT_RUNS_ROOT).resolve())
         self.pool_slots = pool_slots
         self.extra_env = dict(extra_env or {})
         self.base_url = f"http://127.0.0.1:{self.port}"
+        self.database_url = database_url or f"sqlite:///{self.home / 'airflow.db'}"
+        self.broker_url = broker_url
+        self.workers = tuple(workers)
+        if bool(broker_url) != bool(self.workers):
+            raise ValueError("broker_url and workers go together: the CeleryExecutor needs both")
+
+    @property
+    def sqlite(self) -> bool:
+        return self.database_url.startswith("sqlite")
 
     # files -------------------------------------------------------------------------------------
     @property
@@ -89,9 +104,7 @@ class LocalAirflow:
             "AIRFLOW__CORE__EXECUTOR": "LocalExecutor",
             "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
             "AIRFLOW__CORE__PARALLELISM": "16",
-            "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": f"sqlite:///{self.home / 'airflow.db'}",
-            "AIRFLOW__DATABASE__SQL_ALCHEMY_CONNECT_ARGS": "plugins.local.deployment.SQLITE_CONNECT_ARGS",
-            "AIRFLOW__DATABASE__SQL_ALCHEMY_CONNECT_ARGS_ASYNC": "plugins.local.deployment.SQLITE_CONNECT_ARGS",
+            "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": self.database_url,
             "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_USERS": "admin:admin",
             "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_PASSWORDS_FILE": str(self.passwords_file),
             "AIRFLOW__API__HOST": "127.0.0.1",
@@ -114,9 +127,20 @@ class LocalAirflow:
             "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
             "MKL_NUM_THREADS": os.environ.get("MKL_NUM_THREADS", "1"),
             "TOKENIZERS_PARALLELISM": "false",
-            **self.extra_env,
         }
-        return env
+        if self.sqlite:
+            env["AIRFLOW__DATABASE__SQL_ALCHEMY_CONNECT_ARGS"] = "plugins.local.deployment.SQLITE_CONNECT_ARGS"
+            env["AIRFLOW__DATABASE__SQL_ALCHEMY_CONNECT_ARGS_ASYNC"] = "plugins.local.deployment.SQLITE_CONNECT_ARGS"
+        if self.broker_url:
+            env.update(celery_environment(self.broker_url, self.database_url))
+        return {**env, **self.extra_env}
+
+    def components(self) -> dict[str, list[str] | dict]:
+        """What the supervisor runs: the four Airflow components, then the Celery workers."""
+        spec: dict[str, list[str] | dict] = {name: [*self._airflow(), *args] for name, args in COMPONENTS.items()}
+        for worker in self.workers:
+            spec[f"worker-{worker.name}"] = worker.component(self._airflow(), self.home)
+        return spec
 
     def _airflow(self) -> list[str]:
         exe = Path(sys.executable).with_name("airflow")
@@ -173,14 +197,15 @@ class LocalAirflow:
     def migrate(self) -> None:
         """Create or upgrade the metadata DB and the device pool (idempotent)."""
         self._cli("db", "migrate")
-        # WAL journal: readers no longer block the writer (the scheduler, the api-server and every
-        # task process share this file). The mode is stored in the file, so once is enough.
-        import sqlite3
+        if self.sqlite:
+            # WAL journal: readers no longer block the writer (the scheduler, the api-server and
+            # every task process share this file). The mode is stored in the file: once is enough.
+            import sqlite3
 
-        with sqlite3.connect(self.home / "airflow.db") as db:
-            db.execute("PRAGMA journal_mode=WAL")
+            with sqlite3.connect(self.home / "airflow.db") as db:
+                db.execute("PRAGMA journal_mode=WAL")
         self._cli("pools", "set", DEVICE_POOL, str(self.pool_slots),
-                  "one slot per accelerator; sampler, trainer and finalize each hold one")
+                  "one slot per accelerator; a run's trainer holds the run's (RLHF_RUN_DEVICE_SLOTS)")
 
     def up(self, wait_s: float = 180.0) -> AirflowClient:
         if self.supervisor_alive() or any(self.running().values()):
@@ -197,8 +222,8 @@ class LocalAirflow:
 
     def start_supervisor(self, components: dict[str, list[str]] | None = None, wait_s: float = 30.0) -> int:
         """Start the supervisor, detached in its own session; return once every component runs.
-        `components` (name -> argv) defaults to the four Airflow components."""
-        spec = components or {name: [*self._airflow(), *args] for name, args in COMPONENTS.items()}
+        `components` (name -> argv, or a spec dict) defaults to `self.components()`."""
+        spec = components or self.components()
         self.home.mkdir(parents=True, exist_ok=True)
         (self.home / "logs").mkdir(exist_ok=True)
         (self.home / "supervisor-spec.json").write_text(json.dumps(spec))

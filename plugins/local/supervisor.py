@@ -1,6 +1,8 @@
 """The supervisor of a `LocalAirflow`: `python -m plugins.local.supervisor HOME`.
 
-`LocalAirflow.start_supervisor` writes `HOME/supervisor-spec.json` (component name -> argv) and
+`LocalAirflow.start_supervisor` writes `HOME/supervisor-spec.json` (component name -> argv, or
+{"argv": [...], "cwd": folder, "env": {extra variables}} for a component that runs in a working
+directory of its own, such as a Celery worker) and
 starts this process detached, in its own session. It starts each component in its own process
 group and restarts one whose leader exits (a scheduler that dies on an upstream bug comes back).
 What it did goes to `HOME/supervisor.json` (its pid; per component: pid, status, restarts, last
@@ -30,7 +32,8 @@ class Supervisor:
 
     def __init__(self, home: Path):
         self.home = home
-        self.spec: dict[str, list[str]] = json.loads((home / "supervisor-spec.json").read_text())
+        spec = json.loads((home / "supervisor-spec.json").read_text())
+        self.spec: dict[str, dict] = {name: c if isinstance(c, dict) else {"argv": c} for name, c in spec.items()}
         self.procs: dict[str, subprocess.Popen | None] = dict.fromkeys(self.spec)
         self.comps = {name: {"pid": None, "status": "starting", "restarts": 0, "last_exit": None,
                              "last_exit_at": None} for name in self.spec}
@@ -47,9 +50,13 @@ class Supervisor:
         os.replace(tmp, self.home / "supervisor.json")
 
     def spawn(self, name: str) -> None:
+        comp = self.spec[name]
+        cwd = Path(comp.get("cwd") or self.home)
+        cwd.mkdir(parents=True, exist_ok=True)
+        env = {**os.environ, **comp.get("env", {})}
         with open(self.home / "logs" / f"{name}.log", "ab") as out:
-            proc = subprocess.Popen(self.spec[name], stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                    start_new_session=True, cwd=str(self.home))
+            proc = subprocess.Popen(comp["argv"], stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                    start_new_session=True, cwd=str(cwd), env=env)
         self.procs[name] = proc
         self.comps[name].update(pid=proc.pid, status="running", started_at=time.time())
         self.log(f"started {name} (pid {proc.pid})")

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import threading
 import time
 from collections import deque
 from typing import Any, Mapping, Sequence
@@ -102,6 +103,8 @@ class SupervisedProcessOperator(BaseOperator):
 
     template_fields: Sequence[str] = ("command", "env")
     ui_color = "#d8e8f8"
+    monitor_interval_s: float = 5.0
+    _stopped_because: str | None = None
 
     def __init__(self, *, command: Sequence[str], env: dict[str, str] | None = None, cwd: str | None = None,
                  pass_env: Sequence[str] = (), kill_grace_s: float = 30.0, tail_lines: int = 20,
@@ -177,6 +180,7 @@ class SupervisedProcessOperator(BaseOperator):
             stderr=subprocess.STDOUT, text=True, bufsize=1, start_new_session=True,
         )
         self._remember(context, self._proc.pid)
+        watcher = self._start_monitor(context)
         try:
             assert self._proc.stdout is not None
             for line in self._proc.stdout:
@@ -187,16 +191,53 @@ class SupervisedProcessOperator(BaseOperator):
         finally:
             # Reached on success, on a non-zero exit, and when execution_timeout or a signal
             # interrupts the loop above: never leave the group behind.
+            watcher.set()
             if self._proc.poll() is None:
                 self.log.warning("stopping process group %s", self._proc.pid)
             stop_group(self._proc.pid, self.kill_grace_s)
             self._remember(context, None)
         elapsed = round(time.monotonic() - started, 1)
+        if self._stopped_because:
+            raise AirflowException(f"stopped {argv[0]} after {elapsed}s: {self._stopped_because}")
         if code != 0:
             quoted = "\n".join(tail)
             raise AirflowException(f"{argv[0]} exited with code {code} after {elapsed}s; last lines:\n{quoted}")
         self.log.info("finished in %ss", elapsed)
         return {"returncode": code, "elapsed_s": elapsed}
+
+    # watching the process while it runs ------------------------------------------------------
+    def monitor(self, context) -> str | None:
+        """Called every `monitor_interval_s` while the process runs (in a thread of the task): a
+        reason to stop the process, or None. With a reason, the process group is stopped and the
+        task fails with it (a retryable failure: retries take over)."""
+        return None
+
+    def on_monitor_stop(self, context, reason: str) -> None:
+        """Called once when `monitor` returned a reason, before the process group is stopped."""
+
+    def _start_monitor(self, context) -> threading.Event:
+        done = threading.Event()
+        self._stopped_because = None
+        proc = self._proc
+
+        def watch() -> None:
+            while not done.wait(self.monitor_interval_s) and proc.poll() is None:
+                try:
+                    reason = self.monitor(context)
+                except Exception as e:  # a failed look (storage hiccup) never stops a healthy process
+                    self.log.warning("monitor: %s", e)
+                    continue
+                if reason:
+                    self._stopped_because = reason
+                    self.log.error("%s; stopping process group %s", reason, proc.pid)
+                    try:
+                        self.on_monitor_stop(context, reason)
+                    finally:
+                        stop_group(proc.pid, self.kill_grace_s)
+                    return
+
+        threading.Thread(target=watch, name=f"monitor-{self.task_id}", daemon=True).start()
+        return done
 
     def process_environment(self, context) -> dict[str, str]:
         """Variables a subclass sets for the process (before the operator's own `env`)."""

@@ -26,8 +26,16 @@ def upstream(dag, task_id):
 
 
 def test_sampler_and_trainer_start_together_after_prepare(dag):
-    assert upstream(dag, "sampler") == {"prepare"}
+    assert upstream(dag, "sampler") == {"prepare", "plan_samplers"}
     assert upstream(dag, "trainer") == {"prepare"}
+    assert upstream(dag, "trainer_node") == {"prepare", "plan_trainer_nodes"}
+
+
+def test_sampler_replicas_and_trainer_nodes_are_mapped_over_prepares_lists(dag):
+    for task_id, plan in (("sampler", "plan_samplers"), ("trainer_node", "plan_trainer_nodes")):
+        assert dag.get_task(task_id).is_mapped
+        assert upstream(dag, plan) == {"prepare"}
+    assert not dag.get_task("trainer").is_mapped  # node 0, which holds the run's device slots
 
 
 def test_each_phase_is_a_mapped_sensor_then_reshard_over_prepares_list(dag):
@@ -68,11 +76,20 @@ def test_watcher_follows_every_task_and_fires_on_one_failure(dag):
 
 
 def test_long_running_tasks_have_pool_timeout_and_resuming_retries(dag):
-    for task_id in ("sampler", "trainer", "finalize"):
+    from plugins.taskgroups import RUN_SLOTS
+
+    for task_id in ("sampler", "trainer", "trainer_node", "finalize"):
         t = dag.get_task(task_id)
-        assert t.pool == "rlhf_devices"
         assert t.execution_timeout is not None and t.execution_timeout <= timedelta(days=1)
         assert t.retries >= 1
+    # gang scheduling: the trainer holds the run's device slots; samplers and other nodes wait for it
+    for task_id in ("trainer", "finalize"):
+        assert dag.get_task(task_id).pool == "rlhf_devices"
+        assert dag.get_task(task_id).pool_slots == RUN_SLOTS
+    for task_id in ("sampler", "trainer_node"):
+        t = dag.get_task(task_id)
+        assert t.pool != "rlhf_devices"
+        assert t.partial_kwargs["wait_for_trainer"] is True
 
 
 def test_sensors_defer_and_retry(dag):

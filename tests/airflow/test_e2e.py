@@ -69,13 +69,14 @@ def deployment():
             write_rows(rows, str(tmp / "prompts" / f"ds={day}" / "part-0.parquet"))
 
     af = LocalAirflow(home=tmp / "airflow", port=free_port(), runs_root=str(tmp / "runs"),
-                      extra_env={"RLHF_PROMPTS_ROOT": str(tmp / "prompts")})
+                      extra_env={"RLHF_PROMPTS_ROOT": str(tmp / "prompts"),
+                                 "RLHF_NOTIFIER": f"file:{tmp / 'alerts.jsonl'}"})
     client = af.up(wait_s=300)
     try:
         for dag_id in ("rlhf_train", "rlhf_retrain"):
             client.wait_for_dag(dag_id, timeout_s=180)
         client.unpause("rlhf_train")  # rlhf_retrain: by its own test, which watches what unpausing does
-        yield {"af": af, "client": client, "tmp": tmp, "write_prompts": write_prompts}
+        yield {"af": af, "client": client, "tmp": tmp, "write_prompts": write_prompts, "alerts": tmp / "alerts.jsonl"}
     finally:
         af.down()
         if previous_cache is None:
@@ -211,6 +212,52 @@ def test_dashboard_requires_a_token_and_reports_the_run(deployment, train_run):
     assert client.call("GET", page, authenticated=False)[0] == 401
 
 
+CHARTS = ("reward", "heldout", "kl", "clip", "is", "staleness_hist", "staleness", "throughput", "overlap", "buffer",
+          "versions", "loss")
+READ_CHARTS = ("(() => { const c = [...document.querySelectorAll('svg[data-chart]')];"
+               " return c.length && JSON.stringify(Object.fromEntries(c.map(s => [s.dataset.chart, +s.dataset.points]))); })()")
+
+
+def test_dashboard_draws_every_chart_with_data_in_a_real_browser(deployment, train_run):
+    """Headless Chromium (DevTools protocol): log in through Airflow's token endpoint like the UI
+    does, open the finished run's dashboard, read back how many points each SVG chart drew, on
+    both x axes, and save a screenshot."""
+    from urllib.parse import quote
+
+    from devtools import Browser, chromium_path
+
+    exe = chromium_path()
+    assert exe, "chromium is missing: `make test` installs it (apt-get install chromium)"
+    af = deployment["af"]
+    user, password = af.credentials()
+    artifacts = Path(os.environ.get("RLHF_TEST_ARTIFACTS") or Path(tempfile.gettempdir()) / "rlhf-test-artifacts")
+    artifacts.mkdir(parents=True, exist_ok=True)
+    url = f"{af.base_url}/rlhf/dags/rlhf_train/runs/{quote(train_run['run_id'], safe='')}"
+    with Browser(exe) as browser:
+        browser.goto(f"{af.base_url}/auth/login")
+        login = json.dumps({"username": user, "password": password})
+        assert browser.evaluate(
+            "fetch('/auth/token', {method: 'POST', headers: {'Content-Type': 'application/json'}, body: " + json.dumps(login)
+            + "}).then(r => r.json()).then(j => { document.cookie = '_token=' + j.access_token + '; path=/'; return !!j.access_token; })")
+        browser.errors.clear()  # what counts is the dashboard's console
+        browser.goto(url)
+        counts = json.loads(browser.wait_for(READ_CHARTS, timeout_s=60))
+        assert browser.evaluate("document.getElementById('state').textContent") == "success"
+        assert browser.evaluate("document.getElementById('err').textContent") == ""
+        shot = browser.screenshot(artifacts / "dashboard-step.png")
+        print(f"\ndashboard screenshot: {shot}")
+        assert set(counts) == set(CHARTS), counts
+        empty = [name for name, n in counts.items() if n == 0]
+        assert not empty, counts
+        assert counts["reward"] >= STEPS and counts["heldout"] == 2 and counts["staleness_hist"] >= 1, counts
+        browser.evaluate("(() => { const a = document.getElementById('axis'); a.value = 'time';"
+                         " a.dispatchEvent(new Event('change')); })()")
+        by_time = json.loads(browser.evaluate(READ_CHARTS))
+        assert all(by_time[name] > 0 for name in CHARTS), by_time
+        browser.screenshot(artifacts / "dashboard-time.png")
+        assert browser.errors == []
+
+
 def test_a_scheduler_that_dies_is_restarted_and_status_counts_it(deployment):
     """The deployment's supervisor brings a dead component back (an upstream scheduler bug once
     killed it on a backfill/schedule race) and `rlhf airflow status` reports the restart."""
@@ -262,6 +309,7 @@ def test_backfill_reruns_a_date_that_already_ran_and_gives_each_date_its_own_run
     days = [(latest - timedelta(weeks=1)).isoformat(), latest.isoformat()]
     deployment["write_prompts"](days)
 
+    deployment["failed_retrain_run"] = first["dag_run_id"]
     runs = af.backfill("rlhf_retrain", days[0], days[1], conf=RETRAIN_CONF, max_active_runs=1)
     assert [r["logical_date"][:10] for r in runs] == days  # every date named has its run, at once
     assert first["dag_run_id"] in [r["dag_run_id"] for r in runs]  # the date that ran is run again
@@ -276,3 +324,71 @@ def test_backfill_reruns_a_date_that_already_ran_and_gives_each_date_its_own_run
     assert sorted(registry) == days
     assert registry[days[0]]["started_from"] is None
     assert registry[days[1]]["started_from"] == registry[days[0]]["policy_url"]  # from the last published policy
+
+
+def test_each_failed_run_sent_exactly_one_alert(deployment):
+    """The DAG's failure callback (run by the dag-processor) sent one `run_failed` alert for the
+    scheduled retrain run that failed, none for its successful rerun nor for the training run
+    whose trainer was killed and retried."""
+    failed_run = deployment.get("failed_retrain_run")
+    assert failed_run, "runs after the backfill test"
+    path = deployment["alerts"]
+    deadline = time.monotonic() + 60
+    while not path.exists() and time.monotonic() < deadline:
+        time.sleep(1)
+    alerts = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    assert [(a["event"], a["dag_id"], a["run_id"]) for a in alerts] == [("run_failed", "rlhf_retrain", failed_run)], alerts
+    from urllib.parse import quote
+
+    assert alerts[0]["dashboard"].endswith(f"/rlhf/dags/rlhf_retrain/runs/{quote(failed_run, safe='')}"), alerts[0]
+
+
+GANG_CONF = {"config_file": "tiny-grpo.yaml", "steps": 4, "phases": 1, "replay_epochs": 0,
+             "overrides": {"data.eval_size": 16, "sampler.replicas": 3}}
+# the second run's trainer is two nodes: the `trainer` task and one mapped `trainer_node` task
+GANG_CONFS = [GANG_CONF, {**GANG_CONF, "trainer_nodes": 2}]
+
+
+def test_two_runs_on_a_pool_too_small_for_both_run_one_after_the_other(deployment):
+    """Gang scheduling: with one device slot, each run's trainer holds it for the run and its three
+    samplers start only once that trainer runs, so one run waits and both finish (two samplers
+    holding the slots for trainers that never start would wait until the 12 h timeout)."""
+    from pipeline.devices import DEVICE_POOL
+    from pipeline.rundir import RunDir
+
+    client = deployment["client"]
+    def set_slots(n: int):  # deferred tasks hold no slot (include_deferred false): the samplers wait so
+        return client.call("PATCH", f"/api/v2/pools/{DEVICE_POOL}",
+                           {"pool": DEVICE_POOL, "slots": n, "include_deferred": False})
+
+    code, body = set_slots(1)
+    assert code == 200, body
+    try:
+        run_ids = [client.trigger("rlhf_train", conf)["dag_run_id"] for conf in GANG_CONFS]
+        finals = [client.wait_for_run("rlhf_train", r, timeout_s=RUN_TIMEOUT_S) for r in run_ids]
+    finally:
+        set_slots(deployment["af"].pool_slots)
+    tis = [tis_by_id(client, "rlhf_train", r) for r in run_ids]
+    assert [f["state"] for f in finals] == ["success", "success"], [{k: [t["state"] for t in v] for k, v in t.items()}
+                                                                   for t in tis]
+    from datetime import datetime
+
+    spans = sorted((datetime.fromisoformat(t["trainer"][0]["start_date"]),
+                    datetime.fromisoformat(t["trainer"][0]["end_date"])) for t in tis)
+    assert spans[0][1] <= spans[1][0]  # the second trainer waited for the slot the first one held
+    for run_id, t in zip(run_ids, tis):
+        assert sorted(s["map_index"] for s in t["sampler"]) == [0, 1, 2]
+        run = RunDir(client.xcom("rlhf_train", run_id, "prepare", "run_url"))
+        started = run.marker(RunDir.trainer_started_marker(0))["time"]
+        draws = []
+        for sid in ("sampler-0", "sampler-1", "sampler-2"):
+            records = run.read_metrics(sid)
+            first = min(r["time"] for r in records if r.get("event") == "start")
+            assert first >= started  # no sampler held a device before its run's trainer held the slot
+            draws += [r["sampler/draw"] for r in records if "sampler/draw" in r]
+        assert len(draws) == len(set(draws))  # the three replicas never generated the same prompt draw
+    nodes = [r["world_size"] for t, r_id in zip(tis, run_ids) for r in
+             RunDir(client.xcom("rlhf_train", r_id, "prepare", "run_url")).read_metrics("trainer")
+             if r.get("event") == "start"]
+    assert nodes == [1, 2]  # the 2-node trainer's tasks met in one rendezvous: one world of two ranks
+    assert [(t["map_index"], t["state"]) for t in tis[1]["trainer_node"]] == [(0, "success")]

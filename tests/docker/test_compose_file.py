@@ -1,0 +1,151 @@
+"""docker/compose.yaml would come up: checked by reading it (no Docker daemon on these machines).
+
+Every long-running service has a healthcheck, an init process and a restart policy; one-shot
+services are waited for; the volumes the uid-50000 image writes are handed to that uid before
+anything starts; one worker per GPU, each reserving its own device; the UI password file is
+written in the container that reads it; a models volume; secrets stay out of git and out of the
+engine's processes."""
+
+import re
+from pathlib import Path
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[2]
+DOCKER = REPO / "docker"
+IMAGE_UID = "50000"
+
+
+@pytest.fixture(scope="module")
+def compose() -> dict:
+    return yaml.safe_load((DOCKER / "compose.yaml").read_text())
+
+
+@pytest.fixture(scope="module")
+def services(compose) -> dict:
+    return compose["services"]
+
+
+def one_shot(svc: dict) -> bool:
+    return str(svc.get("restart")) == "no"
+
+
+def ours(svc: dict) -> bool:
+    return str(svc.get("image", "")).startswith("rlhf-pipeline")
+
+
+def needs(services: dict, name: str) -> set[str]:
+    """Every service `name` waits for, directly or not."""
+    seen, todo = set(), [name]
+    while todo:
+        for dep in services[todo.pop()].get("depends_on") or {}:
+            if dep not in seen:
+                seen.add(dep)
+                todo.append(dep)
+    return seen
+
+
+def command_text(svc: dict) -> str:
+    cmd = svc.get("command") or []
+    return " ".join(cmd) if isinstance(cmd, list) else str(cmd)
+
+
+def test_every_long_running_service_has_a_healthcheck_an_init_and_a_restart_policy(services):
+    for name, svc in services.items():
+        assert svc.get("init") is True, name
+        assert svc.get("restart") in ("always", "unless-stopped", "no"), name
+        if one_shot(svc):
+            continue
+        test = (svc.get("healthcheck") or {}).get("test")
+        assert test and test[0] in ("CMD", "CMD-SHELL") and len(test) > 1, name
+
+
+def test_one_shot_services_are_waited_for_until_they_succeed(services):
+    for name, svc in services.items():
+        if not one_shot(svc):
+            continue
+        waiting = [n for n, s in services.items() if (s.get("depends_on") or {}).get(name)]
+        assert waiting, f"nobody waits for {name}"
+        for other in waiting:
+            assert services[other]["depends_on"][name]["condition"] == "service_completed_successfully"
+
+
+def test_components_are_checked_the_way_the_official_compose_file_checks_them(services):
+    checks = {name: " ".join(svc["healthcheck"]["test"]) for name, svc in services.items() if "healthcheck" in svc}
+    assert "DagProcessorJob" in checks["dag-processor"] and "TriggererJob" in checks["triggerer"]
+    assert "8974/health" in checks["scheduler"]
+    assert services["scheduler"]["environment"]["AIRFLOW__SCHEDULER__ENABLE_HEALTH_CHECK"] == "true"
+    workers = {n: s for n, s in services.items() if "celery" in command_text(s) and "worker" in command_text(s)}
+    assert len(workers) >= 2
+    for name, svc in workers.items():
+        node = re.search(r"--celery-hostname (\S+)@%h", command_text(svc)).group(1)
+        assert f'inspect ping -d "{node}@$${{HOSTNAME}}"' in checks[name], name
+    assert len({re.search(r"--celery-hostname (\S+)", command_text(s)).group(1) for s in workers.values()}) == len(workers)
+
+
+def test_one_worker_per_gpu_each_reserving_its_own_device(services):
+    gpu = {n: s for n, s in services.items() if s.get("deploy")}
+    assert len(gpu) >= 2
+    ids = []
+    for name, svc in gpu.items():
+        (device,) = svc["deploy"]["resources"]["reservations"]["devices"]
+        assert "count" not in device, f"{name} reserves every GPU"
+        assert len(device["device_ids"]) == 1, name
+        ids += device["device_ids"]
+        cmd = command_text(svc)
+        assert "--concurrency 1" in cmd and f"--queues {svc['environment']['RLHF_DEVICE_QUEUE']}" in cmd, name
+        assert svc["environment"]["RLHF_DEDICATED_DEVICES"] == "1", name
+    assert len(set(ids)) == len(ids)
+    # the pool has one slot per GPU worker
+    assert int(services["airflow-init"]["environment"]["RLHF_GPUS"]) == len(gpu)
+
+
+def test_volumes_the_image_writes_are_handed_to_its_uid_before_anything_starts(compose, services):
+    dockerfile = (DOCKER / "Dockerfile").read_text()
+    assert re.search(rf"^USER {IMAGE_UID}(:0)?$", dockerfile, re.M)
+    owners = [n for n, s in services.items() if one_shot(s) and str(s.get("user", "")).startswith("0")]
+    assert owners, "no one-shot root service hands the volumes over"
+    chowned = " ".join(command_text(services[n]) for n in owners)
+    assert f"chown -R {IMAGE_UID}" in chowned
+    for name, svc in services.items():
+        if not ours(svc) or name in owners:
+            continue
+        assert set(owners) <= needs(services, name), f"{name} may start before the volumes are handed over"
+        for mount in svc.get("volumes", []):
+            volume, path = mount.split(":")[:2]
+            assert volume in compose["volumes"], mount
+            assert path in chowned, f"{path} ({name}) is not handed to uid {IMAGE_UID}"
+            assert path in dockerfile, f"{path} is not created in the image"
+
+
+def test_a_models_volume_is_mounted_read_only_on_the_gpu_workers(compose, services):
+    assert "models" in compose["volumes"]
+    for name, svc in services.items():
+        if svc.get("deploy"):
+            assert "models:/data/models:ro" in svc["volumes"], name
+    assert "/data/models" in (DOCKER / "compose.yaml").read_text().split("services:")[0]  # how to fill it
+
+
+def test_the_ui_password_file_is_written_by_the_api_server_that_reads_it(services):
+    api = services["api-server"]
+    path = api["environment"]["AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_PASSWORDS_FILE"]
+    assert f"> {path}" in command_text(api) and "exec airflow api-server" in command_text(api)
+    assert path not in command_text(services["airflow-init"])
+
+
+def test_secrets_stay_out_of_git_the_image_and_the_engine_processes(services):
+    for ignore in (REPO / ".gitignore", DOCKER / "Dockerfile.dockerignore"):
+        assert "docker/secrets.env" in ignore.read_text().split(), ignore
+    for name, svc in services.items():
+        if ours(svc):
+            assert svc["env_file"] == ["secrets.env"], name
+    from plugins.operators.process import engine_environment
+
+    example = [line.split("=", 1)[0] for line in (DOCKER / "secrets.env.example").read_text().splitlines()
+               if line and not line.startswith("#")]
+    assert len(example) >= 6
+    passed = engine_environment(dict.fromkeys(example, "secret-value"))
+    assert not set(example) & set(passed), set(example) & set(passed)
+    # storage credentials are the exception: the engine reads and writes the run directory
+    assert "AWS_SECRET_ACCESS_KEY" in engine_environment({"AWS_SECRET_ACCESS_KEY": "x"})

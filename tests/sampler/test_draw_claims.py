@@ -1,0 +1,38 @@
+"""Prompt draws claimed by sampler replicas: each draw goes to exactly one replica."""
+
+import multiprocessing as mp
+
+from pipeline.rundir import RunDir
+from pipeline.sampler.claims import DrawClaims
+
+
+def _claim(url: str, sampler_id: str, n: int, out) -> None:
+    claims = DrawClaims(RunDir(url), sampler_id)
+    out.put((sampler_id, [claims.next() for _ in range(n)]))
+
+
+def test_concurrent_replicas_never_claim_the_same_draw(tmp_path):
+    url = f"file://{tmp_path / 'run'}"
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_claim, args=(url, f"sampler-{i}", 25, out)) for i in range(4)]
+    for p in procs:
+        p.start()
+    got = dict(out.get(timeout=60) for _ in procs)
+    for p in procs:
+        p.join(timeout=30)
+    drawn = [k for ks in got.values() for k in ks]
+    assert sorted(drawn) == list(range(100))  # none twice, none skipped while all are alive
+    owners = DrawClaims(RunDir(url), "reader")
+    for sid, ks in got.items():
+        assert all(owners.owner(k) == sid for k in ks)
+
+
+def test_a_replica_that_joins_later_starts_after_the_highest_claim(tmp_path):
+    run = RunDir(f"file://{tmp_path / 'run'}")
+    first = DrawClaims(run, "sampler-0")
+    assert [first.next() for _ in range(3)] == [0, 1, 2]
+    late = DrawClaims(run, "sampler-1")
+    assert late.next() == 3
+    assert first.next() == 4  # probes past the draw the late replica took
+    assert late.owner(3) == "sampler-1" and late.owner(5) is None
