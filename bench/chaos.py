@@ -146,9 +146,14 @@ def run_procs(run_url: str) -> list[Proc]:
 
 
 def engine_procs(run_url: str, role: str) -> list[Proc]:
-    """`python -m pipeline <role> --run-dir <run_url>` processes."""
+    """`python -m pipeline <role> --run-dir <run_url> [options]` processes (a sampler replica ends
+    with `--sampler-id ID`)."""
     want = ["-m", "pipeline", role, "--run-dir", run_url]
-    return [p for p in processes() if p.argv[-len(want):] == want]
+    return [p for p in processes() if _contains(p.argv, want)]
+
+
+def _contains(argv: list[str], want: list[str]) -> bool:
+    return any(argv[i:i + len(want)] == want for i in range(len(argv) - len(want) + 1))
 
 
 def kill_now(procs: list[Proc], timeout_s: float = 10.0) -> int:

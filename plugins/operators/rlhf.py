@@ -153,8 +153,9 @@ class RlhfProcessOperator(SupervisedProcessOperator):
         if env:
             self.log.info("%s devices: %s", self.role, env)
         dag_run = context.get("dag_run")
-        if dag_run is not None:  # experiment trackers name their run after the DAG run (pipeline.tracking)
-            env = {**env, "RLHF_RUN_NAME": f"{dag_run.dag_id}/{dag_run.run_id}"}
+        dag_id, run_id = getattr(dag_run, "dag_id", None), getattr(dag_run, "run_id", None)
+        if dag_id and run_id:  # experiment trackers name their run after the DAG run (pipeline.tracking)
+            env = {**env, "RLHF_RUN_NAME": f"{dag_id}/{run_id}"}
         return env
 
     def monitor(self, context) -> str | None:
