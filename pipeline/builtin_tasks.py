@@ -4,6 +4,11 @@
   an exact answer. Measures correctness; the demo task.
 - `digit`: answer with as many copies of a given digit as possible. Reward = share of the
   response's characters equal to the digit. Dense and fast: the test task.
+- `repeat`: repeat a pattern of 3-6 digits a given number of times (`repeat 472 15:` ->
+  `472472...`, 40-64 digits, one token each). Reward = share of positions right over the longer of
+  answer and response, as for `sort`; the answer's length must be right too. A generation-heavy
+  correctness task: sampling 40-64 tokens per answer is most of a step's work, as in real
+  post-training (`configs/tiny-grpo-long.yaml`, `bench/peer.py`).
 
 Rewards follow verl's signature `compute_score(data_source, solution_str, ground_truth,
 extra_info=None) -> float | dict`.
@@ -14,7 +19,8 @@ from __future__ import annotations
 import random
 from typing import Callable
 
-TASKS = ("sort", "digit")
+TASKS = ("sort", "digit", "repeat")
+ABILITY = {"sort": "sorting", "digit": "copying", "repeat": "repetition"}
 
 
 def _clean(solution_str: str) -> str:
@@ -37,14 +43,19 @@ def digit_score(data_source: str, solution_str: str, ground_truth: str, extra_in
     return sum(1 for c in sol if c == str(ground_truth)) / len(sol)
 
 
-SCORERS: dict[str, Callable[..., float | dict]] = {"sort": sort_score, "digit": digit_score}
+def repeat_score(data_source: str, solution_str: str, ground_truth: str, extra_info: dict | None = None) -> dict:
+    """Partial credit per position over the longer string (wrong length costs), 1.0 when exact."""
+    return sort_score(data_source, solution_str, ground_truth, extra_info)
+
+
+SCORERS: dict[str, Callable[..., float | dict]] = {"sort": sort_score, "digit": digit_score, "repeat": repeat_score}
 
 
 def _row(task: str, content: str, answer: str, index: int, split: str) -> dict:
     return {
         "data_source": f"builtin/{task}",
         "prompt": [{"role": "user", "content": content}],
-        "ability": "sorting" if task == "sort" else "copying",
+        "ability": ABILITY[task],
         "reward_model": {"style": "rule", "ground_truth": answer},
         "extra_info": {"split": split, "index": index, "answer": answer},
     }
@@ -61,6 +72,10 @@ def make_rows(task: str, n: int, seed: int, split: str) -> list[dict]:
             k = rng.randint(3, 7)
             digits = "".join(rng.choice("0123456789") for _ in range(k))
             rows.append(_row(task, f"sort {digits}:", "".join(sorted(digits)), i, split))
+        elif task == "repeat":
+            pattern = "".join(rng.choice("0123456789") for _ in range(rng.randint(3, 6)))
+            times = rng.randint(-(-40 // len(pattern)), 64 // len(pattern))  # 40-64 digits in all
+            rows.append(_row(task, f"repeat {pattern} {times}:", pattern * times, i, split))
         else:
             d = str(rng.randint(0, 9))
             rows.append(_row(task, f"say {d}:", d, i, split))

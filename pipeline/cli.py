@@ -90,7 +90,7 @@ def cmd_run(args) -> int:
     summary = run_local(_config(args), args.run_dir, progress=not args.no_progress)
     keys = ["run_dir", "eval_before", "eval_after", "reward_first", "reward_last", "steps", "samples_generated",
             "samples_trained", "generated_tokens", "trained_tokens", "wall_s", "sampler_busy_s", "trainer_busy_s",
-            "overlap_s", "policy_versions", "max_staleness_seen", "total_s"]
+            "overlap_s", "overlap_ratio", "policy_versions", "max_staleness_seen", "total_s"]
     print(json.dumps({k: summary.get(k) for k in keys}, indent=1))
     return 0
 

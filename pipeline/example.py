@@ -35,7 +35,8 @@ from .builtin_tasks import TASKS, corpus, make_rows
 EXAMPLE_VERSION = 1
 # Supervised warm-start steps per task: enough that sampled answers earn partial credit,
 # far from enough to solve the task (RL does the rest).
-WARM_STEPS = {"sort": 25, "digit": 0}
+# `repeat` answers are 40-64 tokens long: more steps before sampled answers earn partial credit (~0.25).
+WARM_STEPS = {"sort": 25, "digit": 0, "repeat": 200}
 SPLITS = {"train": 4000, "test": 256}
 
 

@@ -33,7 +33,7 @@ RewardFn = Callable[..., "float | dict"]
 BUILTIN: dict[str, RewardFn] = {**SCORERS, "gsm8k": gsm8k_score, "math": boxed_math_score}
 # data_source -> built-in scorer used by `reward.fn: auto` (verl's default_compute_score names)
 REWARD_SOURCES: dict[str, str] = {
-    "builtin/sort": "sort", "builtin/digit": "digit",
+    **{f"builtin/{task}": task for task in SCORERS},
     "openai/gsm8k": "gsm8k", "gsm8k": "gsm8k",
     "lighteval/MATH": "math", "DigitalLearningGmbH/MATH-lighteval": "math", "HuggingFaceH4/MATH-500": "math",
     "math": "math",

@@ -40,6 +40,14 @@ def _busy(records: list[dict]) -> list[tuple[float, float]]:
     return out
 
 
+def overlap_ratio(wall_s: float, sampler_busy_s: float, trainer_busy_s: float) -> float | None:
+    """wall / max(sampler busy, trainer busy): 1.0 when the loop takes only as long as its busier
+    process (the other's work hidden under it); more when they waited on each other (2.0 for
+    equal shares taken in turns); None without work."""
+    busiest = max(sampler_busy_s, trainer_busy_s)
+    return round(wall_s / busiest, 3) if busiest > 0 else None
+
+
 def sampler_streams(run: RunDir) -> list[str]:
     return [n for n in run.metric_streams() if n.startswith("sampler")]
 
@@ -52,6 +60,8 @@ def build_summary(run: RunDir, eval_before: dict, eval_after: dict, policy_versi
     ends = [e for _, e in s_busy + t_busy]
     wall = (max(ends) - min(starts + [s for s, _ in s_busy + t_busy])) if ends else 0.0
     gen = [r for r in sampler if "sampler/samples" in r]
+    sampler_busy = sum(e - s for s, e in _union(s_busy))
+    trainer_busy = sum(e - s for s, e in _union(t_busy))
     return {
         "run_id": run.run_id,
         "run_dir": run.url,
@@ -67,9 +77,10 @@ def build_summary(run: RunDir, eval_before: dict, eval_after: dict, policy_versi
         "generated_tokens": sum(r["sampler/gen_tokens"] for r in gen),
         "trained_tokens": sum(r["trainer/response_tokens"] for r in trainer),
         "wall_s": round(wall, 2),
-        "sampler_busy_s": round(sum(e - s for s, e in _union(s_busy)), 2),
-        "trainer_busy_s": round(sum(e - s for s, e in _union(t_busy)), 2),
+        "sampler_busy_s": round(sampler_busy, 2),
+        "trainer_busy_s": round(trainer_busy, 2),
         "overlap_s": round(overlap_seconds(s_busy, t_busy), 2),
+        "overlap_ratio": overlap_ratio(wall, sampler_busy, trainer_busy),
         "policy_versions": policy_version,
         "max_staleness_seen": max((r["staleness/max"] for r in trainer), default=0),
     }

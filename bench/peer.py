@@ -1,0 +1,282 @@
+"""This project against TRL's GRPOTrainer, side by side on one machine: one JSON line per regime.
+
+    make peer                                   # builds .venv-peer (requirements/peer.txt), runs both regimes
+    .venv/bin/python bench/peer.py [--regimes demo,generation-heavy] [--smoke] [--steps N]
+        [--eval-every K] [--eval-size N] [--target X] [--peer-python .venv-peer/bin/python]
+
+Each regime runs the two arms one after the other, each with both cores (ours: sampler and
+trainer, one thread each; TRL: one process, two threads), on the same inputs:
+
+- the model folder and Parquet prompts `rlhf init-example --task <task>` builds (built before the
+  clocks start), prompts rendered with the tokenizer's chat template by both;
+- the same reward function (`pipeline.builtin_tasks`), batch shape (16 prompts x 8 completions
+  per step, one optimizer step per batch), generation length, sampling temperature 1 (no top-k),
+  learning rate (5e-4, constant), no KL term, clip 0.2, token-mean loss, group-normalised
+  advantages;
+- the same held-out evaluation, run after both arms with the same code (`pipeline.evaluate`,
+  greedy, the run's `data/eval.parquet`) on the policies after 0, K, 2K, ... steps: ours reads them
+  from `<run>/policy/v<K>` (retention widened so that they all stay), TRL's arm saves them every K
+  steps (the saving time is recorded and taken off its clock). Evaluation is on neither clock.
+
+Clocks start when the arm's command starts (`rlhf run CONFIG` for ours: prepare, process start,
+model loads; the TRL script: imports, model load, dataset) and read the end of step K: for ours the
+trainer's `time/end` of step K in `metrics/trainer.jsonl`, for TRL the step's end in its log.
+Printed per regime:
+
+- `*_time_to_target_s`: the clock at the first evaluated step whose held-out score >= `target`
+  (null when never reached); `ratio_time_to_target` = ours / trl (< 1: ours is faster; 0.5: twice as fast).
+- `*_tokens_to_target`: completion tokens generated until then (ours: by the sampler, which runs
+  ahead of the trainer by up to `sampler.max_staleness` versions; TRL: by its own generation).
+- `*_gen_tokens_per_s`: completion tokens generated per second of the running loop (from the first
+  batch's start to the last step's end; TRL: less the saving time).
+- `*_start_s`: the clock at the end of step 1 (start-up plus one step).
+- `*_curve`: [step, clock_s, held-out score] per evaluated step.
+- `*_cpu_s`: CPU seconds the arm's processes used (ours: with finalize's evaluations), and the
+  1-minute load average after each arm: on a shared machine, what the other work took.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+REGIMES = {
+    # config, steps, eval every, target held-out score (reached by both arms in a full run here)
+    "demo": {"config": "configs/tiny-grpo.yaml", "steps": 160, "eval_every": 10, "target": 0.60},
+    "generation-heavy": {"config": "configs/tiny-grpo-long.yaml", "steps": 150, "eval_every": 15, "target": 0.40},
+}
+SMOKE = {"demo": {"steps": 20, "eval_every": 10}, "generation-heavy": {"steps": 10, "eval_every": 5}}
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--regimes", default="demo,generation-heavy")
+    p.add_argument("--steps", type=int, default=None, help="optimizer steps per arm (default: per regime)")
+    p.add_argument("--eval-every", type=int, default=None)
+    p.add_argument("--eval-size", type=int, default=256, help="held-out prompts")
+    p.add_argument("--target", type=float, default=None, help="held-out score to reach (default: per regime)")
+    p.add_argument("--smoke", action="store_true", help="a few steps per arm, 64 held-out prompts (~2 min)")
+    p.add_argument("--peer-python", default=str(ROOT / ".venv-peer" / "bin" / "python"))
+    p.add_argument("--threads", type=int, default=2, help="cores per arm")
+    p.add_argument("--work-dir", default=None, help="where runs go (default: a temporary folder, removed)")
+    return p.parse_args(argv)
+
+
+def regime_settings(name: str, args) -> dict:
+    s = dict(REGIMES[name])
+    if args.smoke:
+        s.update(SMOKE[name])
+        args.eval_size = min(args.eval_size, 64)
+    for key in ("steps", "eval_every", "target"):
+        if getattr(args, key) is not None:
+            s[key] = getattr(args, key)
+    from pipeline.config import load_config
+
+    s["cfg"] = load_config(str(ROOT / s["config"]), overrides(s, args.eval_size))
+    return s
+
+
+def overrides(s: dict, eval_size: int) -> list[str]:
+    return [f"trainer.steps={s['steps']}", f"trainer.keep_policy_versions={s['steps'] + 1}",
+            f"data.eval_size={eval_size}"]
+
+
+# the arms -----------------------------------------------------------------------------------------
+def child_cpu_s() -> float:
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
+
+
+def run_ours(s: dict, run_dir: Path, threads: int) -> dict:
+    """`rlhf run CONFIG` with its clock; returns step end times, sampler token times."""
+    from pipeline.rundir import RunDir
+
+    rlhf = Path(sys.executable).with_name("rlhf")
+    argv = [str(rlhf)] if rlhf.exists() else [sys.executable, "-m", "pipeline"]
+    argv += ["run", str(ROOT / s["config"]), "--run-dir", run_dir.as_uri(), "--no-progress"]
+    for o in overrides(s, s["cfg"].data.eval_size):
+        argv += ["--set", o]
+    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    t0, cpu0 = time.time(), child_cpu_s()
+    proc = subprocess.run(argv, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    cpu = child_cpu_s() - cpu0  # the whole command, with finalize's two evaluations
+    if proc.returncode != 0:
+        raise RuntimeError(f"rlhf run failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+    run = RunDir(run_dir.as_uri())
+    steps = {r["step"]: r for r in run.read_metrics("trainer") if "step" in r}
+    batches = [r for n in run.metric_streams() if n.startswith("sampler") for r in run.read_metrics(n)
+               if "sampler/gen_tokens" in r]
+    summary = json.loads(Path(run_dir, "summary.json").read_text())
+    return {"t0": t0, "steps": steps, "batches": batches, "summary": summary, "run": run, "cpu_s": cpu,
+            "load": os.getloadavg()[0]}
+
+
+def run_trl(s: dict, model: str, train: str, out: Path, peer_python: str, threads: int) -> dict:
+    cfg = s["cfg"]
+    argv = [peer_python, str(ROOT / "bench" / "peer_trl.py"), "--model", model, "--train", train,
+            "--reward", cfg.reward.fn, "--out", str(out), "--steps", str(s["steps"]),
+            "--save-every", str(s["eval_every"]), "--max-new-tokens", str(cfg.sampler.max_new_tokens),
+            "--lr", str(cfg.trainer.lr), "--prompts-per-step", str(cfg.trainer.groups_per_step),
+            "--group-size", str(cfg.sampler.group_size), "--threads", str(threads), "--seed", str(cfg.seed)]
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads), HF_HUB_OFFLINE="1",
+               HF_DATASETS_OFFLINE="1", WANDB_DISABLED="true")
+    t0, cpu0 = time.time(), child_cpu_s()
+    proc = subprocess.run(argv, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    cpu = child_cpu_s() - cpu0
+    if proc.returncode != 0:
+        raise RuntimeError(f"TRL arm failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+    steps = {}
+    for line in (out / "steps.jsonl").read_text().splitlines():
+        r = json.loads(line)
+        steps[r["step"]] = r
+    return {"t0": t0, "steps": steps, "cpu_s": cpu, "load": os.getloadavg()[0]}
+
+
+# held-out evaluation, the same code for both arms -----------------------------------------------------
+class Evaluator:
+    def __init__(self, cfg, eval_parquet: str, threads: int):
+        from pipeline.data import load_prompts
+        from pipeline.scoring import RewardScorer
+
+        self.cfg, self.threads = cfg, threads
+        self.prompts = load_prompts(eval_parquet, "data.eval")
+        self.scorer = RewardScorer(cfg.reward.model_copy(update={"kind": "rule"}))
+
+    def score(self, folder: str) -> float:
+        from pipeline.evaluate import evaluate
+        from pipeline.sampler.backend import make_backend
+
+        backend = make_backend("hf", folder, dtype=self.cfg.model.dtype, threads=self.threads, seed=self.cfg.seed)
+        try:
+            out = evaluate(backend, backend.tokenizer, self.prompts, self.scorer,
+                           self.cfg.eval.max_new_tokens or self.cfg.sampler.max_new_tokens, self.cfg.eval.batch_size)
+        finally:
+            backend.close()
+        return round(out["score"], 4)
+
+    def close(self):
+        self.scorer.close()
+
+
+def eval_steps(s: dict) -> list[int]:
+    k, n = s["eval_every"], s["steps"]
+    return sorted(set(range(0, n + 1, k)) | {n})
+
+
+def ours_curve(ours: dict, s: dict, ev: Evaluator) -> list[list]:
+    from pipeline.policy import PolicyStore
+
+    store, curve = PolicyStore(ours["run"]), []
+    for k in eval_steps(s):
+        clock = 0.0 if k == 0 else ours["steps"][k]["time/end"] - ours["t0"]
+        curve.append([k, round(clock, 2), ev.score(store.local_dir(k))])
+    return curve
+
+
+def trl_curve(trl: dict, s: dict, out: Path, ev: Evaluator) -> list[list]:
+    curve = []
+    for k in eval_steps(s):
+        r = trl["steps"].get(k)
+        clock = 0.0 if k == 0 else r["time/end"] - trl["t0"] - r["excluded_s"]
+        curve.append([k, round(clock, 2), ev.score(str(out / f"v{k}"))])
+    return curve
+
+
+# figures ----------------------------------------------------------------------------------------------
+def first_reaching(curve: list[list], target: float):
+    return next(((k, t) for k, t, score in curve if score >= target), (None, None))
+
+
+def ours_figures(ours: dict, curve: list[list], target: float) -> dict:
+    step, t = first_reaching(curve, target)
+    end = ours["steps"][max(ours["steps"])]["time/end"]
+    batches = [b for b in ours["batches"] if b["time/end"] <= end]
+    start = min((b["time/start"] for b in batches), default=end)
+    tokens = sum(b["sampler/gen_tokens"] for b in batches)
+    at = None if step is None else ours["t0"] + t
+    return {"time_to_target_s": t, "step_to_target": step,
+            "tokens_to_target": None if at is None else sum(b["sampler/gen_tokens"] for b in batches
+                                                             if b["time/end"] <= at),
+            "gen_tokens_per_s": round(tokens / max(end - start, 1e-9), 1),
+            "start_s": round(ours["steps"][1]["time/end"] - ours["t0"], 2)}
+
+
+def trl_figures(trl: dict, curve: list[list], target: float) -> dict:
+    step, t = first_reaching(curve, target)
+    last, first = trl["steps"][max(trl["steps"])], trl["steps"][min(trl["steps"])]
+    loop = last["time/end"] - first["time/start"] - (last["excluded_s"] - first["excluded_s"])
+    return {"time_to_target_s": t, "step_to_target": step,
+            "tokens_to_target": None if step is None else (trl["steps"][step]["gen_tokens"] if step else 0),
+            "gen_tokens_per_s": round(last["gen_tokens"] / max(loop, 1e-9), 1),
+            "start_s": round(first["time/end"] - trl["t0"] - first["excluded_s"], 2)}
+
+
+def run_regime(name: str, args, work: Path) -> dict:
+    from pipeline.orchestration import resolve_sources
+
+    s = regime_settings(name, args)
+    src = resolve_sources(s["cfg"])  # builds the task's model and prompts (rlhf init-example), off the clocks
+    for arm in ("ours", "trl"):
+        shutil.rmtree(work / f"{name}-{arm}", ignore_errors=True)
+    t_bench = time.time()
+    ours = run_ours(s, work / f"{name}-ours", args.threads)
+    trl = run_trl(s, src["model"], src["train"], work / f"{name}-trl", args.peer_python, args.threads)
+    ev = Evaluator(s["cfg"], str(work / f"{name}-ours" / "data" / "eval.parquet"), args.threads)
+    try:
+        oc, tc = ours_curve(ours, s, ev), trl_curve(trl, s, work / f"{name}-trl", ev)
+    finally:
+        ev.close()
+    o, t = ours_figures(ours, oc, s["target"]), trl_figures(trl, tc, s["target"])
+    ratio = (round(o["time_to_target_s"] / t["time_to_target_s"], 3)
+             if o["time_to_target_s"] and t["time_to_target_s"] else None)
+    summ = ours["summary"]
+    return {"regime": name, "target": s["target"], "steps": s["steps"], "eval_every": s["eval_every"],
+            "eval_prompts": len(ev.prompts), "max_new_tokens": s["cfg"].sampler.max_new_tokens,
+            "trl_time_to_target_s": t["time_to_target_s"], "ours_time_to_target_s": o["time_to_target_s"],
+            "ratio_time_to_target": ratio,
+            "trl_gen_tokens_per_s": t["gen_tokens_per_s"], "ours_gen_tokens_per_s": o["gen_tokens_per_s"],
+            "ours_tokens_to_target": o["tokens_to_target"], "trl_tokens_to_target": t["tokens_to_target"],
+            "ours_step_to_target": o["step_to_target"], "trl_step_to_target": t["step_to_target"],
+            "ours_start_s": o["start_s"], "trl_start_s": t["start_s"],
+            "ours_wall_s": summ.get("wall_s"), "ours_overlap_ratio": summ.get("overlap_ratio"),
+            "ours_sampler_busy_s": summ.get("sampler_busy_s"), "ours_trainer_busy_s": summ.get("trainer_busy_s"),
+            "ours_cpu_s": round(ours["cpu_s"], 1), "trl_cpu_s": round(trl["cpu_s"], 1),
+            "load_avg_after_ours": round(ours["load"], 2), "load_avg_after_trl": round(trl["load"], 2),
+            "ours_curve": oc, "trl_curve": tc, "bench_s": round(time.time() - t_bench, 1),
+}
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if not Path(args.peer_python).exists():
+        print(f"peer: {args.peer_python} not found; `make peer` builds .venv-peer from requirements/peer.txt",
+              file=sys.stderr)
+        return 2
+    names = [n.strip() for n in args.regimes.split(",") if n.strip()]
+    unknown = [n for n in names if n not in REGIMES]
+    if unknown:
+        print(f"peer: unknown regime(s) {unknown}; choose from {', '.join(REGIMES)}", file=sys.stderr)
+        return 2
+    with tempfile.TemporaryDirectory(prefix="rlhf-peer-") as tmp:
+        work = Path(args.work_dir or tmp)
+        work.mkdir(parents=True, exist_ok=True)
+        for name in names:
+            print(json.dumps(run_regime(name, args, work)), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
