@@ -65,16 +65,17 @@ class Replicas:
                             sum(c is None for c in codes.values()))
         if any(rc is None for rc in codes.values()):
             return None
-        if not self.all_needed and 0 in codes.values():
-            return 0  # the replicas that remained finished the run
-        return next((rc for rc in codes.values() if rc != 0), 0)
+        return self._outcome(list(codes.values()))
 
     def wait(self, timeout: float | None = None) -> int:
         deadline = None if timeout is None else time.time() + timeout
-        codes = [p.wait(timeout=None if deadline is None else max(0.0, deadline - time.time()))
-                 for p in self.procs.values()]
+        return self._outcome([p.wait(timeout=None if deadline is None else max(0.0, deadline - time.time()))
+                              for p in self.procs.values()])
+
+    def _outcome(self, codes: list[int]) -> int:
+        """The group's exit code once every process has ended."""
         if not self.all_needed and 0 in codes:
-            return 0
+            return 0  # the replicas that remained finished the run
         return next((rc for rc in codes if rc != 0), 0)
 
 

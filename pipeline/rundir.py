@@ -92,12 +92,16 @@ RESIZABLE = {"sampler": ("replicas", "threads"), "trainer": ("nnodes", "nproc_pe
              "devices": ("sampler_share", "count")}
 
 
-def _learning_settings(config: RunConfig) -> dict:
-    out = config.model_dump()
-    for section, keys in RESIZABLE.items():
-        for k in keys:
-            out[section].pop(k, None)
-    return out
+def same_run(a: RunConfig, b: RunConfig) -> bool:
+    """Whether two configs are one run, perhaps spread differently (they differ at most in `RESIZABLE`)."""
+    def learning(config: RunConfig) -> dict:
+        out = config.model_dump()
+        for section, keys in RESIZABLE.items():
+            for k in keys:
+                out[section].pop(k, None)
+        return out
+
+    return learning(a) == learning(b)
 
 
 class RunDir:
@@ -196,7 +200,7 @@ class RunDir:
         except (ValueError, TypeError, yaml.YAMLError) as e:  # ConfigError, or not a YAML mapping
             raise ConfigError(f"run directory {self.url} holds a config.yaml that is not a run config of "
                               f"rlhf-pipeline ({e}); choose a new or empty folder") from None
-        if _learning_settings(existing) != _learning_settings(config):
+        if not same_run(existing, config):
             raise ConfigError(
                 f"run directory {self.url} already holds a different config; "
                 "choose another run_id or delete the old run"

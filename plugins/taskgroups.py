@@ -97,27 +97,17 @@ def _stop_sampler(run_url: str, dag_run=None) -> str:
     return run_url
 
 
-# Mapping needs a task's return value (not one key of a multiple-output XCom): these two pass the
-# lists prepare computed from the validated config.
+# Mapping needs a task's return value (not one key of a multiple-output XCom): `plan_<list>` tasks
+# pass on the lists prepare computed from the validated config (phases, replay epochs, sampler
+# replicas, trainer nodes 1..M-1; node 0 is the `trainer` task).
 @task(retries=1)
-def plan_phases(phases: list[int]) -> list[int]:
-    return list(phases)
+def _plan(items: list[int]) -> list[int]:
+    return list(items)
 
 
-@task(retries=1)
-def plan_replay_epochs(epochs: list[int]) -> list[int]:
-    return list(epochs)
-
-
-@task(retries=1)
-def plan_samplers(replicas: list[int]) -> list[int]:
-    return list(replicas)
-
-
-@task(retries=1)
-def plan_trainer_nodes(nodes: list[int]) -> list[int]:
-    """Trainer nodes 1..M-1 (node 0 is the `trainer` task); none for a one-node trainer."""
-    return list(nodes)
+def plan(prepared, key: str):
+    """The `plan_<key>` task over prepare's list `key`."""
+    return _plan.override(task_id=f"plan_{key}")(prepared[key])
 
 
 @task(trigger_rule="one_failed", retries=0)
@@ -140,18 +130,18 @@ def training_run(dag_id: str, prepared, *, poke_interval: float = 5.0) -> dict:
     gang = {k: v for k, v in common.items() if k != "pool"}
     sampler = RlhfProcessOperator.partial(
         task_id="sampler", role="sampler", run_url=run_url, wait_for_trainer=True, **gang,
-        **device_task_kwargs("sampler")).expand(replica=plan_samplers(prepared["samplers"]))
+        **device_task_kwargs("sampler")).expand(replica=plan(prepared, "samplers"))
     trainer = RlhfProcessOperator(task_id="trainer", role="trainer", run_url=run_url, pool_slots=RUN_SLOTS, **common,
                                   **device_task_kwargs("trainer"))
     trainer_nodes = RlhfProcessOperator.partial(
         task_id="trainer_node", role="trainer", run_url=run_url, wait_for_trainer=True, **gang,
-        **device_task_kwargs("trainer")).expand(node=plan_trainer_nodes(prepared["trainer_nodes"]))
+        **device_task_kwargs("trainer")).expand(node=plan(prepared, "trainer_nodes"))
     phases = phase_group.partial(run_url=run_url, poke_interval=poke_interval).expand(
-        phase=plan_phases(prepared["phases"]))
+        phase=plan(prepared, "phases"))
     gates = ReplayGateSensor.partial(
         task_id="replay_gate", run_url=run_url, poke_interval=poke_interval,
         timeout=RUN_TIMEOUT.total_seconds(), retries=SENSOR_RETRIES, retry_delay=timedelta(seconds=5),
-    ).expand(epoch=plan_replay_epochs(prepared["replay_epochs"]))
+    ).expand(epoch=plan(prepared, "replay_epochs"))
     finalize = FinalizeRunOperator(task_id="finalize", run_url=run_url, outlets=[policy_asset(dag_id)],
                                    **device, pool_slots=RUN_SLOTS, **device_task_kwargs("finalize"),
                                    execution_timeout=timedelta(hours=2), retries=1,
@@ -202,16 +192,16 @@ def prepare_run(dag_id: str, params: dict, conf: dict | None, run_name: str, ext
 
 
 def _unused_or_same(root: str, run_name: str, config) -> str:
-    """`run_name`, or the first of `run_name-2`, `-3`, ... that is unused or holds this config."""
-    from pipeline.rundir import RunDir, run_url_for
+    """`run_name`, or the first of `run_name-2`, `-3`, ... that is unused or holds this run (the
+    same config, perhaps at another scale: `pipeline.rundir.same_run`, the rule prepare applies)."""
+    from pipeline.rundir import RunDir, run_url_for, same_run
 
     for n in range(1, 1000):
         name = run_name if n == 1 else f"{run_name}-{n}"
         run = RunDir(run_url_for(root, name))
         if not run.exists():
             return name
-        mine = config.model_copy(update={"run_id": run.run_id}).model_dump()
-        if run.config().model_dump() == mine:
+        if same_run(run.config(), config.model_copy(update={"run_id": run.run_id})):
             return name
     raise ValueError(f"{run_name}: 999 reruns with other configs already exist under {root}")
 

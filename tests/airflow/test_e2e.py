@@ -8,7 +8,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import tempfile
 import time
 from datetime import date, timedelta
@@ -16,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from pipeline.rendezvous import free_port
 from plugins.local.client import AirflowClient
 from plugins.local.deployment import LocalAirflow
 
@@ -27,12 +27,6 @@ TRAIN_CONF = {"config_file": "tiny-grpo.yaml", "steps": STEPS, "phases": PHASES,
 RETRAIN_CONF = {"config_file": "tiny-grpo.yaml", "steps": 4, "phases": 2, "replay_epochs": 0,
                 "overrides": {"data.eval_size": 16}}
 RUN_TIMEOUT_S = 600  # the run takes 2-4 minutes here; a stuck one fails with the states seen
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def engine_pids(role: str, run_url: str) -> list[int]:

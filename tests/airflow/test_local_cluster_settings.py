@@ -2,24 +2,16 @@
 CeleryExecutor, and Celery workers as supervised components in working directories of their own
 (their settings here; tests/cluster runs the real thing)."""
 
-import os
-import signal
-import socket
 import time
 
 import pytest
+from deployments import tear_down
 
-from pipeline.processes import group_alive
+from pipeline.rendezvous import free_port
 from plugins.local.deployment import LocalAirflow
 from plugins.local.workers import HOSTNAME_CALLABLE, WORKER_NAME_ENV, CeleryWorker, worker_hostname
 
 PG = "postgresql+psycopg2://airflow@127.0.0.1:5999/airflow"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_the_default_deployment_stays_sqlite_and_local(tmp_path):
@@ -62,7 +54,7 @@ def test_a_worker_reports_its_name_in_the_hostname(monkeypatch):
 
 
 def test_the_supervisor_starts_a_component_in_its_folder_with_its_variables(tmp_path):
-    af = LocalAirflow(home=tmp_path / "home", port=_free_port())
+    af = LocalAirflow(home=tmp_path / "home", port=free_port())
     folder = tmp_path / "worker-a"
     af.start_supervisor({"worker": {"argv": ["sh", "-c", f'pwd > where; echo "${WORKER_NAME_ENV}" >> where; exec sleep 300'],
                                     "cwd": str(folder), "env": {WORKER_NAME_ENV: "a"}},
@@ -75,8 +67,4 @@ def test_the_supervisor_starts_a_component_in_its_folder_with_its_variables(tmp_
         assert (folder / "where").read_text().split() == [str(folder), "a"]
         assert set(af.running()) == {"worker", "plain"} and all(af.running().values())
     finally:
-        state = af.state()
-        af.down(grace_s=5)
-        for pid in [state.get("pid"), *(c.get("pid") for c in state.get("components", {}).values())]:
-            if pid and group_alive(int(pid)):
-                os.killpg(int(pid), signal.SIGKILL)
+        tear_down(af)

@@ -2,19 +2,14 @@
 
 import os
 import signal
-import socket
 import time
 
 import pytest
+from deployments import tear_down
 
 from pipeline.processes import group_alive
+from pipeline.rendezvous import free_port
 from plugins.local.deployment import LocalAirflow
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _until(cond, timeout_s: float = 15.0, what: str = ""):
@@ -26,16 +21,12 @@ def _until(cond, timeout_s: float = 15.0, what: str = ""):
 
 @pytest.fixture
 def deployment(tmp_path):
-    af = LocalAirflow(home=tmp_path / "home", port=_free_port())
+    af = LocalAirflow(home=tmp_path / "home", port=free_port())
     af.start_supervisor({"scheduler": ["sleep", "300"], "triggerer": ["sleep", "300"]})
     try:
         yield af
     finally:
-        state = af.state()
-        af.down(grace_s=5)
-        for pid in [state.get("pid"), *(c.get("pid") for c in state.get("components", {}).values())]:
-            if pid and group_alive(int(pid)):
-                os.killpg(int(pid), signal.SIGKILL)
+        tear_down(af)
 
 
 def test_a_component_that_dies_is_restarted_and_status_counts_it(deployment):
