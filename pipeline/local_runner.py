@@ -19,6 +19,7 @@ from .config import RunConfig
 from .devices import role_environment, trainer_ranks
 from .processes import stop_group
 from .rundir import RunDir
+from .sampler.claims import replica_ids
 from .signals import StopSignal, default_stop_signals
 
 log = logging.getLogger("rlhf.runner")
@@ -79,10 +80,6 @@ class Replicas:
         return next((rc for rc in codes if rc != 0), 0)
 
 
-def sampler_ids(replicas: int) -> list[str]:
-    return [f"sampler-{i}" for i in range(replicas)]
-
-
 def engine_argv(role: str, run_url: str, nproc: int = 1, extra_args=(), *, nnodes: int = 1, node_rank: int = 0,
                 rendezvous: str | None = None, rendezvous_id: str = "rlhf") -> list[str]:
     """argv of one engine role with this interpreter. Several trainer ranks run under torchrun: on
@@ -118,7 +115,7 @@ def run_local(cfg: RunConfig, run_url: str | None = None, progress: bool = True)
     try:
         procs["sampler"] = Replicas({sid: _child("sampler", run, cfg, cfg.sampler.threads, replica=i,
                                                  extra_args=("--sampler-id", sid))
-                                     for i, sid in enumerate(sampler_ids(cfg.sampler.replicas))})
+                                     for i, sid in enumerate(replica_ids(cfg.sampler.replicas))})
         procs["trainer"] = _trainer(run, cfg)
         follow(run, procs, show_bar=progress, on_tick=lambda: orchestration.advance(run))
         rc = procs["trainer"].wait()

@@ -135,7 +135,8 @@ class RunDir:
 
     @staticmethod
     def sampler_state_marker(sampler_id: str) -> str:
-        """The state of one sampler replica: {"last_draw", "batches"}."""
+        """The state of one sampler replica: {"last_draw", "batches", "batch_s", "holding", "since"}
+        (pipeline.sampler.claims)."""
         return f"sampler_state_{sampler_id.lower()}"
 
     def __init__(self, url: str):

@@ -16,6 +16,7 @@ import time
 from typing import TYPE_CHECKING
 
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from .actions import AddShard
 from .shards import conform, encode, group_layout, new_shard_path, policy_range, validate_writer_id, write_shard
@@ -39,6 +40,8 @@ class ShardWriter:
         self._closed = False
         self.commits: list[float] = []  # seconds per log commit, for metrics
         self.rows_written = 0
+        self._pending = 0  # groups handed to write() and not yet committed (or failed)
+        self._pending_lock = threading.Lock()
         self._threads = [
             threading.Thread(target=self._encode_loop, name=f"buffer-encode-{writer_id}", daemon=True),
             threading.Thread(target=self._commit_loop, name=f"buffer-commit-{writer_id}", daemon=True),
@@ -53,7 +56,15 @@ class ShardWriter:
             raise RuntimeError(f"buffer writer {self.writer_id!r} is closed")
         if table.num_rows == 0:
             return
-        self._tables.put(conform(table))
+        table = conform(table)
+        with self._pending_lock:
+            self._pending += pc.count_distinct(table.column("group_id")).as_py()
+        self._tables.put(table)
+
+    def pending_groups(self) -> int:
+        """Groups queued by `write` that are not committed yet."""
+        with self._pending_lock:
+            return self._pending
 
     def flush(self) -> None:
         """Block until every queued shard is committed; re-raise a background failure."""
@@ -125,5 +136,7 @@ class ShardWriter:
             except BaseException as e:
                 self._error = e
             finally:
+                with self._pending_lock:
+                    self._pending -= sum(a.num_groups for a in actions)
                 for _ in batch:
                     self._files.task_done()

@@ -1,4 +1,4 @@
-"""Prompt draws claimed by the sampler replicas of a run.
+"""Prompt draws claimed by the sampler replicas of a run, and the draws they hold.
 
 The run's prompt order is one deterministic stream (`PromptStream`): draw k of the run is the
 batch at positions [k * prompts_per_batch, (k + 1) * prompts_per_batch). A sampler generates a
@@ -8,8 +8,13 @@ many run, and a replica takes the next draw only when it is ready for one: fast 
 of the batches, a slow one few, a lost one none (its claimed draw is skipped, never made twice).
 Replicas can join a running run at any time: they start after the highest claim they see.
 
-A claim names its replica and the time; nothing else reads them but `rlhf buffer stats`-style
-inspection, and they stay with the run as the record of who drew what.
+Each replica's state marker (`RunDir.sampler_state_marker`) says which draw it holds (claimed, not
+yet handed over or dropped) and since when. The staleness gate counts the draws other replicas
+hold below its own: their groups will most likely be committed first (`Sampler.ahead`). A hold
+counts while it is younger than `hold_expiry_s` of its replica's last batch time: a replica lost
+while holding a draw reserves its place only that long, and a replica restarted under the same id
+drops its predecessor's hold at once. A hold that expired while its replica still runs costs
+nothing but the check at handover, which drops a batch that would arrive past the bound.
 """
 
 from __future__ import annotations
@@ -21,20 +26,43 @@ from ..rundir import RunDir
 from ..storage import join, list_names, put_if_absent
 
 CLAIMS_DIR = "claims"
+HOLD_MIN_S = 30.0  # a hold counts at least this long, and at least 3x its replica's last batch time
 
 
 def claim_name(k: int) -> str:
     return f"{k:010d}.json"
 
 
-class DrawClaims:
-    """Claims the next free draw for one replica; `next()` returns its number."""
+def replica_id(i: int) -> str:
+    """The id of a run's sampler replica i (0 .. sampler.replicas - 1)."""
+    return f"sampler-{i}"
 
-    def __init__(self, run: RunDir, sampler_id: str):
+
+def replica_ids(replicas: int) -> list[str]:
+    return [replica_id(i) for i in range(replicas)]
+
+
+def hold_expiry_s(batch_s: float) -> float:
+    return max(HOLD_MIN_S, 3.0 * batch_s)
+
+
+class DrawClaims:
+    """Claims the next free draw for one replica (`next()`), records its hold until `release()`,
+    and counts the live holds of the run's other replicas (`held_below()`)."""
+
+    def __init__(self, run: RunDir, sampler_id: str, replicas: int = 1):
         self.run, self.sampler_id = run, sampler_id
         self.fs, self.dir = run.fs, run.path(CLAIMS_DIR)
         self.fs.makedirs(self.dir, exist_ok=True)
         self.last = self.highest()
+        self.key = RunDir.sampler_state_marker(sampler_id)
+        self.state = {k: v for k, v in (run.marker(self.key) or {}).items() if k in ("last_draw", "batches", "batch_s")}
+        self.others = [RunDir.sampler_state_marker(s) for s in replica_ids(replicas) if s != sampler_id.lower()]
+        self._save()  # a hold left by an earlier process of this replica is void: it will never be handed over
+
+    @property
+    def batches(self) -> int:
+        return int(self.state.get("batches", 0))
 
     def highest(self) -> int:
         """The highest claimed draw (-1 before any): one listing, when a replica starts."""
@@ -42,13 +70,32 @@ class DrawClaims:
         return max(nums, default=-1)
 
     def next(self) -> int:
-        """Claim the lowest free draw above the last one this replica saw claimed."""
+        """Claim the lowest free draw above the last one this replica saw claimed, and hold it."""
         payload = json.dumps({"sampler_id": self.sampler_id, "time": time.time()}).encode()
         k = self.last + 1
         while not put_if_absent(self.fs, join(self.dir, claim_name(k)), payload, fsync=False):
             k += 1  # another replica has it
         self.last = k
+        self._save(holding=k, since=time.time())
         return k
+
+    def release(self, k: int, batch_s: float | None = None) -> None:
+        """Draw k was made in `batch_s` seconds and handed over or dropped (None: given up unmade,
+        the run is stopping): this replica holds nothing until its next claim."""
+        if batch_s is not None:
+            self.state.update(last_draw=k, batches=self.batches + 1, batch_s=round(batch_s, 3))
+        self._save()
+
+    def held_below(self, k: int | None = None) -> int:
+        """How many of the other replicas hold a draw below k (any draw, with k None) and are
+        within their hold's expiry."""
+        now, n = time.time(), 0
+        for key in self.others:
+            m = self.run.marker(key) or {}
+            held = m.get("holding")
+            if held is not None and (k is None or held < k) and now - m["since"] < hold_expiry_s(m.get("batch_s", 0)):
+                n += 1
+        return n
 
     def owner(self, k: int) -> str | None:
         """Which replica claimed draw k (None: nobody yet)."""
@@ -57,3 +104,6 @@ class DrawClaims:
                 return json.loads(f.read())["sampler_id"]
         except FileNotFoundError:
             return None
+
+    def _save(self, **hold) -> None:
+        self.run.set_marker(self.key, {**self.state, "holding": None, **hold})

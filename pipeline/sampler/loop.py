@@ -10,7 +10,7 @@ It runs until the stop marker appears or the trainer is done. Each iteration:
    reward in a worker process with per-sample time limits, or the reward model);
 5. hand the shard (whole groups) to the buffer's asynchronous writer, unless other replicas have
    meanwhile committed so much that it would arrive past the staleness bound (then it is dropped
-   and counted: `sampler/dropped_stale`).
+   and counted: `sampler/dropped_stale`), and release the draw.
 """
 
 from __future__ import annotations
@@ -139,8 +139,6 @@ class Sampler:
         stream_name = sampler_id.lower()
         self.metrics = self.run.metrics(stream_name)
         self.metrics.log({"event": "start", "sampler_id": sampler_id})
-        self.state_key = RunDir.sampler_state_marker(stream_name)
-        state = self.run.marker(self.state_key) or {}
         prompts = load_prompts(self.run.child_url("data", "train.parquet"))
         check_sources(cfg.reward, {p.data_source for p in prompts})
         self.store = PolicyStore(self.run)
@@ -157,9 +155,8 @@ class Sampler:
         self.buffer = ReplayBuffer(self.run.buffer_url, cfg.buffer)
         self.writer = self.buffer.writer(sampler_id)
         self.stream = PromptStream(prompts, cfg.seed)
-        self.claims = DrawClaims(self.run, sampler_id)
+        self.claims = DrawClaims(self.run, sampler_id, sc.replicas)
         self.params = GenParams(max_new_tokens=sc.max_new_tokens, temperature=sc.temperature, top_p=sc.top_p)
-        self.batches = int(state.get("batches", 0))
         self.dropped = 0
         self.delay_s = injected_delay(sampler_id)
         self.limiter = self.buffer.rate_limiter()
@@ -175,18 +172,23 @@ class Sampler:
                     self.reload_s += self.backend.load_weights(lease.path)
                     self.version = lease.version
 
-    def ahead(self, draw: int) -> int:
-        """Versions past the staleness bound's reference that draw `draw` would arrive at: its groups
-        come after every committed group and after every earlier draw (a lost draw only lowers this)."""
-        position = max(self.buffer.committed_groups(), draw * self.cfg.sampler.prompts_per_batch)
+    def ahead(self, draw: int | None = None, handover: bool = False) -> int:
+        """Versions past the staleness bound's reference that a batch would arrive at: its groups
+        come after every committed group, after this replica's own groups still in the writer,
+        and (before generating: `handover` False) after the draws other replicas hold below
+        `draw` (the next draw it would claim, with `draw` None)."""
+        sc = self.cfg.sampler
+        position = self.writer.pending_groups()  # read first: a commit meanwhile is counted twice, not missed
+        position += self.buffer.committed_groups()
+        if not handover:
+            position += sc.prompts_per_batch * self.claims.held_below(draw)
         return batch_ahead(position, self.cfg.trainer.groups_per_step, self.version)
 
     def throttled(self, draw: int | None = None) -> bool:
         """Too far ahead of the trainer (staleness bound) or of the buffer's rate limiter, for the
         draw it holds or else the next one it would claim."""
         sc = self.cfg.sampler
-        return (self.ahead(self.claims.last + 1 if draw is None else draw) > sc.max_staleness
-                or self.limiter.blocked_by(sc.prompts_per_batch) is not None)
+        return self.ahead(draw) > sc.max_staleness or self.limiter.blocked_by(sc.prompts_per_batch) is not None
 
     def wait(self) -> None:
         """Wait for a newer policy, or for the trainer to use what is buffered."""
@@ -204,6 +206,7 @@ class Sampler:
         draw = self.claims.next()
         while self.throttled(draw):  # another replica claimed ahead of what we had seen
             if self.stopping():
+                self.claims.release(draw)
                 return None
             self.wait()
         t0 = time.time()
@@ -215,17 +218,16 @@ class Sampler:
         gen_s = time.time() - t0
         scored, reward_s = _score(self.scorer, batch, groups, self.metrics)
         rows, rewards, tokens = _rows(batch, prompt_ids, groups, scored, self.version, self.sampler_id)
-        kept = self.ahead(draw) <= sc.max_staleness  # else other replicas committed past it meanwhile
+        kept = self.ahead(handover=True) <= sc.max_staleness  # else other replicas committed past it meanwhile
         if not kept:
             self.dropped += 1
             log.warning("sampler %s: draw %d would arrive past sampler.max_staleness; dropped", self.sampler_id, draw)
         else:
             self.writer.write(to_table(rows))
         t1 = time.time()
-        self.batches += 1
-        self.run.set_marker(self.state_key, {"last_draw": draw, "batches": self.batches})
+        self.claims.release(draw, t1 - t0)
         record = {
-            "sampler/batch": self.batches, "sampler/draw": draw, "sampler/dropped_stale": self.dropped,
+            "sampler/batch": self.claims.batches, "sampler/draw": draw, "sampler/dropped_stale": self.dropped,
             "sampler/policy_version": self.version, "sampler/samples": len(rows) if kept else 0,
             "sampler/gen_tokens": tokens, "reward/mean": sum(rewards) / len(rewards),
             "timing_s/generate": gen_s, "timing_s/reward": reward_s, "timing_s/batch": t1 - t0,
@@ -255,7 +257,7 @@ class Sampler:
             self.metrics.flush()
             self.backend.close()
             self.scorer.close()
-        return {"batches": self.batches, "policy_version": self.version}
+        return {"batches": self.claims.batches, "policy_version": self.version}
 
 
 def run_sampler(run_url: str, sampler_id: str = "sampler-0") -> dict:

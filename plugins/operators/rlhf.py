@@ -82,7 +82,9 @@ class RlhfProcessOperator(SupervisedProcessOperator):
                 self.log.info("trainer node %d of %d: rendezvous at %s", self.node, cfg.trainer.nnodes, where)
                 return engine_command(self.role, self.run_url, self.extra_args, nproc, nnodes=cfg.trainer.nnodes,
                                       node_rank=self.node, rendezvous=where, rendezvous_id=run.run_id)
-        extra = [*self.extra_args, *(("--sampler-id", f"sampler-{self.replica}") if self.replica is not None else ())]
+        from pipeline.sampler.claims import replica_id
+
+        extra = [*self.extra_args, *(("--sampler-id", replica_id(self.replica)) if self.replica is not None else ())]
         return engine_command(self.role, self.run_url, extra, nproc)
 
     def execute(self, context) -> dict:

@@ -36,30 +36,36 @@ def _archived(run: RunDir) -> list[dict]:
 def test_three_sampler_replicas_share_the_work_and_a_slow_one_holds_back_no_other(tmp_path, spawn):
     run_dir = tmp_path / "runs" / "replicas"
     p = _rlhf(spawn, "run", "configs/tiny-test.yaml", "--run-dir", f"file://{run_dir}", "--no-progress",
-              "--set", "trainer.steps=12", "--set", "sampler.replicas=3",
+              "--set", "trainer.steps=16", "--set", "sampler.replicas=3",
               env={"RLHF_SAMPLER_DELAY_S": "sampler-2=1.0"})
+    # The slow replica's batches often arrive past the staleness bound and are dropped: however
+    # many are, the run goes on (a dropped or lost draw reserves no place in the order).
     assert p.returncode == 0, p.stderr[-3000:]
     run = RunDir(str(run_dir))
     cfg = run.config()
     summary = json.loads((run_dir / "summary.json").read_text())
 
-    # Every replica wrote its own stream and committed groups; the slow one the fewest.
-    groups = collections.Counter()
-    for row in {r["group_id"]: r for r in _archived(run)}.values():
-        groups[row["sampler_id"]] += 1
-    assert set(groups) == {"sampler-0", "sampler-1", "sampler-2"}, groups
-    assert groups["sampler-2"] < min(groups["sampler-0"], groups["sampler-1"]), groups
-    assert groups["sampler-0"] + groups["sampler-1"] > 2 * groups["sampler-2"], groups
+    committed = collections.Counter(row["sampler_id"] for row in {r["group_id"]: r for r in _archived(run)}.values())
+    batches = {sid: [r for r in run.read_metrics(sid) if "sampler/draw" in r]
+               for sid in ("sampler-0", "sampler-1", "sampler-2")}
+    # Every batch a replica made was either committed whole or dropped and counted.
+    for sid, records in batches.items():
+        kept = [r for r in records if r["sampler/samples"]]
+        assert committed[sid] == len(kept) * cfg.sampler.prompts_per_batch, (sid, committed)
+        assert (records[-1]["sampler/dropped_stale"] if records else 0) == len(records) - len(kept)
+    # The fast replicas made the batches the slow one could not.
+    assert len(batches["sampler-2"]) < min(len(batches["sampler-0"]), len(batches["sampler-1"])), batches
+    assert committed["sampler-0"] > 0 and committed["sampler-1"] > 0
 
     # No prompt draw was generated twice: the batches the replicas logged name distinct draws.
-    draws = [r["sampler/draw"] for sid in groups for r in run.read_metrics(sid) if "sampler/draw" in r]
-    assert len(draws) == len(set(draws)) and len(draws) >= 12
+    draws = [r["sampler/draw"] for records in batches.values() for r in records]
+    assert len(draws) == len(set(draws)) and len(draws) >= 16
 
     # The staleness bound held across all replicas for every step the trainer took.
     trainer = [r for r in run.read_metrics("trainer") if "step" in r]
-    assert len(trainer) == 12
+    assert len(trainer) == 16
     assert max(r["staleness/max"] for r in trainer) <= cfg.sampler.max_staleness
-    assert summary["eval_after"] > summary["eval_before"]
+    assert summary["steps"] == 16 and summary["final_policy"]["verified"] is True
 
 
 def test_a_two_node_trainer_learns_like_the_one_node_trainer(tmp_path, spawn):

@@ -36,3 +36,29 @@ def test_a_replica_that_joins_later_starts_after_the_highest_claim(tmp_path):
     assert late.next() == 3
     assert first.next() == 4  # probes past the draw the late replica took
     assert late.owner(3) == "sampler-1" and late.owner(5) is None
+
+
+def test_the_staleness_gate_counts_live_holds_of_other_replicas_below_a_draw(tmp_path, monkeypatch):
+    import time
+
+    from pipeline.sampler import claims as claims_mod
+
+    run = RunDir(f"file://{tmp_path / 'run'}")
+    a, b, c = (DrawClaims(run, f"sampler-{i}", replicas=3) for i in range(3))
+    assert a.next() == 0 and b.next() == 1
+    assert c.held_below() == 2 and b.held_below(1) == 1 and a.held_below(0) == 0
+    a.release(0, batch_s=0.5)  # handed over: no longer held
+    assert c.held_below() == 1 and a.batches == 1
+
+    # a hold older than its expiry (a replica lost while holding it) stops counting
+    now = time.time()
+    monkeypatch.setattr(claims_mod.time, "time", lambda: now + claims_mod.HOLD_MIN_S + 1)
+    assert c.held_below() == 0
+    monkeypatch.undo()
+
+    # a replica restarted under the same id drops its predecessor's hold at once, keeps its count
+    assert c.held_below() == 1
+    again = DrawClaims(run, "sampler-1", replicas=3)
+    assert c.held_below() == 0 and again.next() == 2
+    again.release(2)  # given up unmade (the run stopped): not a batch
+    assert again.batches == 0 and DrawClaims(run, "sampler-0", replicas=3).batches == 1
