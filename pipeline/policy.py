@@ -35,7 +35,7 @@ from typing import Iterable, Iterator
 
 from .model_cache import cache_dir
 from .rundir import RunDir
-from .storage import delete, is_local, list_names, put_atomic, read_bytes
+from .storage import delete, file_exists, is_local, list_names, put_atomic, read_bytes
 
 log = logging.getLogger("rlhf.policy")
 VERSION_RE = re.compile(r"^v(\d{6,})$")
@@ -82,7 +82,7 @@ class PolicyStore:
             return None
 
     def exists(self, version: int) -> bool:
-        return self.fs.exists(self._dir(version) + "/manifest.json")
+        return file_exists(self.fs, self._dir(version) + "/manifest.json")
 
     def url(self, version: int) -> str:
         """The URL of `version`'s folder (committed or not)."""
@@ -93,15 +93,13 @@ class PolicyStore:
         """Publish a complete model as `version` through `pipeline.reshard` (the one publication
         path): a Hugging Face folder, or any layout it reads (a trainer checkpoint, tp:N), on local
         disk or any fsspec URL; `meta` adds keys to the manifest. Idempotent: returns False if the
-        version was already committed (a retried task)."""
-        if self.exists(version):
-            return False
+        version was already committed (a retried task: `publish` reads the manifest first)."""
         from .reshard import publish
 
         _, committed = publish(source_url, self.url(version), "hf", policy_version=version, extra=meta)
         if committed:
-            latest = self.latest()
-            if latest is None or version >= latest:
+            hint = self._hint()  # not latest(): that would see this version past the hint and list them all
+            if hint is None or version >= hint:
                 put_atomic(self.fs, self.run.path("policy", "latest.json"), json.dumps({"version": version}).encode())
         return committed
 
@@ -139,11 +137,21 @@ class PolicyStore:
         report.raise_if_bad()
         return report
 
-    def latest(self) -> int | None:
+    def _hint(self) -> int | None:
         try:
-            hint = json.loads(read_bytes(self.fs, self.run.path("policy", "latest.json")))["version"]
+            return int(json.loads(read_bytes(self.fs, self.run.path("policy", "latest.json")))["version"])
         except FileNotFoundError:
-            hint = None
+            return None
+
+    def published_after(self, version: int) -> int | None:
+        """The version `latest.json` names if newer than `version` (else None): one read, for a
+        loader's poll. A hint that lags (its publisher stopped between the manifest and the hint)
+        shows the version with the next publication."""
+        hint = self._hint()
+        return hint if hint is not None and hint > version else None
+
+    def latest(self) -> int | None:
+        hint = self._hint()
         if hint is not None and self.exists(hint) and not self.exists(hint + 1):
             return int(hint)
         versions = self.versions()
@@ -158,16 +166,18 @@ class PolicyStore:
 
     # loading ----------------------------------------------------------------------------------
     @contextlib.contextmanager
-    def lease_latest(self, holder: str) -> Iterator[PolicyLease]:
-        """The newest version, which `retain` does not delete until the block exits: load it inside.
+    def lease_latest(self, holder: str, version: int | None = None) -> Iterator[PolicyLease]:
+        """The newest version (or `version`, e.g. the one `latest.json` just named), which `retain`
+        does not delete until the block exits: load it inside.
 
         The lease is written before the manifest is read. `retain` removes a manifest before it
         reads the leases, so either it sees this lease and keeps the files, or the manifest was
         already gone when read here, and the newest version is taken again."""
         lease = self.run.path("policy", LEASES, f"{holder}.json")
         try:
-            for _ in range(LEASE_ATTEMPTS):
-                version = self.latest()
+            for attempt in range(LEASE_ATTEMPTS):
+                if attempt or version is None:
+                    version = self.latest()
                 if version is None:
                     raise FileNotFoundError(f"{self.run.url}: no policy version is published")
                 put_atomic(self.fs, lease, json.dumps({"version": version, "time": time.time()}).encode(), fsync=False)
@@ -213,12 +223,16 @@ class PolicyStore:
         than the newest `keep` or protected."""
         if keep < 1:
             raise ValueError(f"keep={keep}: at least the newest version must stay")
-        committed = self.versions()
-        if len(committed) <= keep:
+        folders, kept = self._folders(), []
+        for v in reversed(folders):  # the newest `keep` committed versions: about `keep` requests
+            if self.exists(v):
+                kept.append(v)
+                if len(kept) == keep:
+                    break
+        if len(kept) < keep:
             return []
-        oldest_kept = committed[-keep]
         protected = set(protected)
-        doomed = [v for v in self._folders() if v < oldest_kept and v not in protected]
+        doomed = [v for v in folders if v < kept[-1] and v not in protected]
         if not doomed:
             return []
         for v in doomed:
@@ -254,9 +268,13 @@ class PolicyStore:
             dst.parent.mkdir(parents=True, exist_ok=True)
             tmp = tempfile.mkdtemp(prefix=".dl-", dir=dst.parent)
             try:
-                for name in manifest["files"]:
-                    os.makedirs(os.path.dirname(os.path.join(tmp, name)), exist_ok=True)
-                    self.fs.get_file(f"{self._dir(version)}/{name}", os.path.join(tmp, name))
+                prev, prev_files = _newest_copy(dst.parent, below=version)
+                for name, entry in manifest["files"].items():
+                    target = os.path.join(tmp, name)
+                    os.makedirs(os.path.dirname(target), exist_ok=True)
+                    # same size and checksum as in that copy: unchanged (unless the copy was pruned meanwhile)
+                    if not (prev_files.get(name) == entry and _link_or_copy(os.path.join(prev, name), target)):
+                        self.fs.get_file(f"{self._dir(version)}/{name}", target)
                 with open(os.path.join(tmp, "manifest.json"), "w") as f:
                     json.dump(manifest, f)
                 os.rename(tmp, dst)
@@ -287,6 +305,32 @@ class PolicyStore:
             yield same
         finally:
             os.close(fd)
+
+
+def _newest_copy(parent: Path, below: int) -> tuple[str | None, dict]:
+    """The newest complete cached copy of a version below `below` and its manifest's files: a
+    download takes the files that did not change from there (a tokenizer, a config) instead of
+    fetching them again."""
+    copies = sorted((int(m.group(1)) for m in (VERSION_RE.match(p.name) for p in parent.iterdir()) if m), reverse=True)
+    for v in copies:
+        if v < below:
+            folder = parent / version_dirname(v)
+            try:
+                return str(folder), json.loads((folder / "manifest.json").read_text()).get("files", {})
+            except (FileNotFoundError, ValueError):
+                continue
+    return None, {}
+
+
+def _link_or_copy(src: str, dst: str) -> bool:
+    try:
+        os.link(src, dst)
+    except OSError:
+        try:
+            shutil.copyfile(src, dst)
+        except OSError:
+            return False
+    return True
 
 
 def _prune_copies(parent: Path, keep: set[int]) -> None:

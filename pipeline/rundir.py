@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 from urllib.parse import unquote
 
 from .config import ConfigError, RunConfig, parse_config, validate_run_id
-from .storage import is_temporary, join, list_names, put_atomic, put_if_absent, read_bytes, to_url, url_to_fs
+from .storage import file_exists, is_temporary, join, list_names, put_atomic, put_if_absent, read_bytes, to_url, url_to_fs
 
 if TYPE_CHECKING:
     from .metrics import MetricsLog
@@ -244,7 +244,7 @@ class RunDir:
         return self.read_json(self._marker(name))
 
     def has_marker(self, name: str) -> bool:
-        return self.fs.exists(self.path(self._marker(name)))
+        return file_exists(self.fs, self.path(self._marker(name)))
 
     def markers(self) -> list[str]:
         return [n[: -len(".json")] for n in list_names(self.fs, self.path("markers")) if n.endswith(".json")]

@@ -133,6 +133,20 @@ def read_bytes(fs: fsspec.AbstractFileSystem, path: str) -> bytes:
     return fs.cat_file(path)
 
 
+def file_exists(fs: fsspec.AbstractFileSystem, path: str) -> bool:
+    """Whether a file (not a folder) exists. On S3 a single HEAD: s3fs's `exists` follows a HEAD
+    that finds nothing with a LIST (is it a folder?), two requests per poll of a marker that is
+    not there yet."""
+    if _protocol(fs) in ("s3", "s3a"):
+        bucket, key, _ = fs.split_path(path)
+        try:
+            fs.call_s3("head_object", Bucket=bucket, Key=key)
+            return True
+        except FileNotFoundError:
+            return False
+    return fs.isfile(path)
+
+
 def _protocol(fs: fsspec.AbstractFileSystem) -> str:
     return fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
 

@@ -82,11 +82,12 @@ class ReplayBuffer:
             return self.log.state
 
     @contextmanager
-    def current_state(self) -> Iterator[BufferState]:
-        """The state caught up with the log, held still for the block: no other thread of this
+    def current_state(self, refresh: bool = True) -> Iterator[BufferState]:
+        """The state caught up with the log (`refresh` False: as of the last refresh or commit of
+        this process, one request less), held still for the block: no other thread of this
         process applies a commit to it meanwhile (commits from inside the block are fine)."""
         with self._lock:
-            yield self.refresh()
+            yield self.refresh() if refresh else self.log.state
 
     def commit(self, actions: Sequence[Action], precondition=None, writer: str | None = None) -> int:
         """Commit log actions (see actions.py) as one entry; returns its version. `writer` names

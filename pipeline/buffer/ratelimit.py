@@ -30,10 +30,14 @@ class RateLimiter:
         self.buffer = buffer
         self.consumer = consumer
 
-    def blocked_by(self, groups: int) -> str | None:
-        """Why inserting `groups` more groups must wait now, or None if it may go ahead."""
+    def blocked_by(self, groups: int, refresh: bool = True) -> str | None:
+        """Why inserting `groups` more groups must wait now, or None if it may go ahead (`refresh`
+        False: judged on the state of this process's last refresh)."""
+        with self.buffer.current_state(refresh) as st:
+            return self._blocked_by(groups, st)
+
+    def _blocked_by(self, groups: int, st) -> str | None:
         cfg = self.buffer.config
-        st = self.buffer.refresh()
         inserted = st.l1_groups_added
         consumed = int(st.consumed.get(self.consumer, {}).get("groups", 0))
         if cfg.samples_per_insert is not None:

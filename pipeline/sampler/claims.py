@@ -76,7 +76,8 @@ class DrawClaims:
         while not put_if_absent(self.fs, join(self.dir, claim_name(k)), payload, fsync=False):
             k += 1  # another replica has it
         self.last = k
-        self._save(holding=k, since=time.time())
+        if self.others:  # else nobody reads the hold: one request less per batch
+            self._save(holding=k, since=time.time())
         return k
 
     def release(self, k: int, batch_s: float | None = None) -> None:

@@ -38,6 +38,7 @@ from .claims import DrawClaims
 log = logging.getLogger("rlhf.sampler")
 # Fault injection for the replica tests: "sampler-2=1.5,..." makes those replicas that much slower per batch.
 DELAY_ENV = "RLHF_SAMPLER_DELAY_S"
+STOP_CHECK_S = 0.5
 
 
 def injected_delay(sampler_id: str) -> float:
@@ -161,13 +162,14 @@ class Sampler:
         self.delay_s = injected_delay(sampler_id)
         self.limiter = self.buffer.rate_limiter()
         self.waited = self.reload_s = 0.0  # since the last logged batch
+        self._stop_checked = 0.0
         log.info("sampler %s: policy v%d, backend %s, %d prompts", sampler_id, self.version, sc.backend, len(prompts))
         self.scorer = RewardScorer(cfg.reward, dtype=cfg.model.dtype)  # a rule reward's worker loads meanwhile
 
     def reload_if_newer(self) -> None:
-        latest = self.store.latest()
-        if latest is not None and latest > self.version:
-            with self.store.lease_latest(self.sampler_id) as lease:
+        newer = self.store.published_after(self.version)
+        if newer is not None:
+            with self.store.lease_latest(self.sampler_id, newer) as lease:
                 if lease.version > self.version:
                     self.reload_s += self.backend.load_weights(lease.path)
                     self.version = lease.version
@@ -188,7 +190,9 @@ class Sampler:
         """Too far ahead of the trainer (staleness bound) or of the buffer's rate limiter, for the
         draw it holds or else the next one it would claim."""
         sc = self.cfg.sampler
-        return self.ahead(draw) > sc.max_staleness or self.limiter.blocked_by(sc.prompts_per_batch) is not None
+        # ahead() has just caught the buffer's state up with the log: the rate limiter reads it as is
+        return (self.ahead(draw) > sc.max_staleness
+                or self.limiter.blocked_by(sc.prompts_per_batch, refresh=False) is not None)
 
     def wait(self) -> None:
         """Wait for a newer policy, or for the trainer to use what is buffered."""
@@ -197,6 +201,12 @@ class Sampler:
         self.reload_if_newer()
 
     def stopping(self) -> bool:
+        """The stop or trainer-done marker is there: looked for at most every STOP_CHECK_S (two
+        requests each time on object storage, and the loop asks between every two polls)."""
+        now = time.time()
+        if now - self._stop_checked < STOP_CHECK_S:
+            return False
+        self._stop_checked = now
         return self.run.stop_requested() or self.run.has_marker(RunDir.TRAINER_DONE_MARKER)
 
     def one_batch(self) -> dict | None:

@@ -42,7 +42,7 @@ from .checkpoint import TrainerState, latest_checkpoint, load_checkpoint, save_c
 from .critic import ActorCritic, ValueHead
 from .distributed import World, init_world, shard
 from .phases import phase_end_steps, replay_epoch_steps
-from .publish import prune_policies, publish_policy
+from .publish import BackgroundPublisher, publish_policy
 from .precision import Precision
 from .step import train_step
 
@@ -290,6 +290,7 @@ class Trainer:
         log.info("trainer: %d steps of %d groups, algorithm %s, %d phase(s), %d replay epoch(s), world size %d",
                  tc.steps, tc.groups_per_step, tc.algorithm, tc.phases, tc.replay_epochs, world.size)
         ok = False
+        publisher = BackgroundPublisher(self.store, tc) if world.is_main else None
         try:
             while st.step < tc.steps:
                 rec = self.fresh_step()
@@ -305,9 +306,8 @@ class Trainer:
                 elif tc.checkpoint_every and st.step % tc.checkpoint_every == 0:
                     self._checkpoint("periodic")
                 if st.step not in phase_ends and st.step % tc.sync_every == 0:
-                    publish_policy(run, st.step, self.actor, self.tokenizer, world, dtype=self.precision.dtype)
-                    if world.is_main:
-                        prune_policies(self.store, tc)
+                    publish_policy(run, st.step, self.actor, self.tokenizer, world, dtype=self.precision.dtype,
+                                   publisher=publisher)
                 if world.is_main and (st.step % tc.log_every == 0 or st.step == tc.steps):
                     log.info("step %d/%d reward %.3f loss %.4f staleness %.2f tok/s %.0f", st.step, tc.steps,
                              rec["reward/mean"], rec["actor/loss"], rec["staleness/mean"], rec["perf/tokens_per_s"])
@@ -316,9 +316,13 @@ class Trainer:
             ok = True
             log.info("trainer: stop requested at step %d", st.step)
         finally:
-            self.metrics.flush()
-            self.lineage.flush()
-            self.tracker.close(ok)
+            try:
+                if publisher is not None:
+                    publisher.close()  # publishes what is queued; raises if a publication failed
+            finally:
+                self.metrics.flush()
+                self.lineage.flush()
+                self.tracker.close(ok)
         if st.step >= tc.steps and world.is_main:
             # orchestrators stop waiting on the gates of skipped epochs (they will never open)
             run.set_marker(RunDir.TRAINER_DONE_MARKER,

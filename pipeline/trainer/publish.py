@@ -2,17 +2,24 @@
 
 In-phase (`publish_policy`, every `trainer.sync_every` steps): the sharded weights are gathered to
 rank 0 and committed as `policy/v<step>/` through `PolicyStore.publish_model` (safetensors +
-config + tokenizer, manifest last). The checkpoint closing a phase becomes `policy/v<step>` through
+config + tokenizer, manifest last). In the trainer that happens on rank 0's `BackgroundPublisher`
+thread, with the retention after it: the next step trains while the version uploads (on object
+storage a publication is a dozen requests, longer than a small model's step). A version that is
+still waiting when a newer one comes is replaced by it (samplers load the newest anyway); a failed
+publication fails the trainer at its next publication or at its end. The checkpoint closing a phase becomes `policy/v<step>` through
 `PolicyStore.publish_checkpoint`, which the orchestrator calls (the DAG's reshard task, the local
 runner's `advance`), not the trainer.
 
-Retention (`prune_policies`, rank 0 after each in-phase publication; the trainer is the one deleter):
-the newest `trainer.keep_policy_versions` versions stay, and so do v0 (the reference policy and
+Retention (`prune_policies`, rank 0 after every `trainer.keep_policy_versions` in-phase
+publications and at the end; the trainer is the one deleter): the newest `keep_policy_versions`
+versions stay (up to twice as many are there between two retentions), and so do v0 (the reference policy and
 every trainer's starting weights), each phase-end version (the last one is the final policy that
 finalize exports) and any version a sampler is loading (its lease, see `PolicyStore.retain`).
 """
 
 from __future__ import annotations
+
+import threading
 
 from ..config import TrainerConfig
 from ..policy import PolicyStore
@@ -22,24 +29,83 @@ from .phases import phase_end_steps
 
 
 def publish_policy(run: RunDir, version: int, actor, tokenizer, world: World, meta: dict | None = None,
-                   dtype=None) -> bool:
+                   dtype=None, publisher: "BackgroundPublisher | None" = None) -> bool:
     """Gather the policy's full weights to rank 0 and publish them (collective), cast to `dtype`
-    (the serving dtype; the trainer's float32 master weights otherwise)."""
+    (the serving dtype; the trainer's float32 master weights otherwise); with `publisher`, rank 0
+    hands them to its thread instead (returns True: queued)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     store = PolicyStore(run)
-    if store.exists(version):  # e.g. a resumed trainer redoing a step: same data, same weights
-        world.barrier()
-        return False
     weights = get_model_state_dict(actor.policy, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if dtype is not None:
         weights = {k: v.to(dtype) if v.is_floating_point() else v for k, v in weights.items()}
     published = False
     if world.is_main:
-        published = store.publish_model(version, actor.policy, tokenizer,
-                                        {"step": version, "source": "trainer", **(meta or {})}, weights=weights)
+        meta = {"step": version, "source": "trainer", **(meta or {})}
+        if publisher is not None:
+            # a copy: the next optimizer step changes the parameters (and views of them) in place
+            publisher.submit(version, actor.policy, tokenizer, meta, {k: v.clone() for k, v in weights.items()})
+            published = True
+        else:  # False when already there (a resumed trainer redoing a step: same data, same weights)
+            published = store.publish_model(version, actor.policy, tokenizer, meta, weights=weights)
     world.barrier()
     return published
+
+
+class BackgroundPublisher:
+    """Rank 0's publication thread: `submit` queues a version (replacing one still waiting),
+    the thread publishes it and applies the retention; `close` waits for what is queued."""
+
+    def __init__(self, store: PolicyStore, tc: TrainerConfig):
+        self.store, self.tc = store, tc
+        self._cond = threading.Condition()
+        self._queued: tuple | None = None
+        self._closed = False
+        self._error: BaseException | None = None
+        self.replaced = 0  # versions a newer one replaced before they were published
+        self.published = 0
+        self._thread = threading.Thread(target=self._loop, name="policy-publisher", daemon=True)
+        self._thread.start()
+
+    def submit(self, version: int, model, tokenizer, meta: dict, weights: dict) -> None:
+        with self._cond:
+            self._raise_if_failed()
+            self.replaced += self._queued is not None
+            self._queued = (version, model, tokenizer, meta, weights)
+            self._cond.notify_all()
+
+    def close(self) -> None:
+        """Publish what is queued, apply the retention, stop the thread; re-raise a failure."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        self._thread.join()
+        with self._cond:
+            self._raise_if_failed()
+        if self.published % self.tc.keep_policy_versions:
+            prune_policies(self.store, self.tc)
+
+    def _raise_if_failed(self) -> None:
+        if self._error is not None:
+            err, self._error = self._error, None
+            raise RuntimeError(f"publishing a policy version failed: {err}") from err
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while self._queued is None and not self._closed:
+                    self._cond.wait()
+                if self._queued is None:
+                    return
+                (version, model, tokenizer, meta, weights), self._queued = self._queued, None
+            try:
+                if self.store.publish_model(version, model, tokenizer, meta, weights=weights):
+                    self.published += 1
+                    if self.published % self.tc.keep_policy_versions == 0:  # one retention per `keep` versions
+                        prune_policies(self.store, self.tc)
+            except BaseException as e:  # surfaced on the trainer's next submit or close
+                with self._cond:
+                    self._error = e
 
 
 def prune_policies(store: PolicyStore, tc: TrainerConfig) -> list[int]:
