@@ -18,12 +18,15 @@ trainer finished version v (its last record of step v, fresh or replay). The tar
 the replay-off run reaches, less `--slack` of its gain (so noise in one evaluation does not decide
 it): target = before + (1 - slack) * (best_off - before).
 
-Keys: reuse_rate_off / reuse_rate_on = samples trained (fresh + replayed) / samples generated;
+The pair of runs is repeated for each of `--seeds` seeds (config `seed`: prompt order and
+sampling), each seed with its own target. Keys: per seed (`seeds`: one object each)
+reuse_rate_off / reuse_rate_on = samples trained (fresh + replayed) / samples generated;
 gen_tokens_to_target_off / _on = generated tokens when the first evaluated version reaches the
-target (null if never); target; plus the evaluated curves and wall times. Goal: reuse_rate_on >= 2
-and gen_tokens_to_target_on <= 0.7 x gen_tokens_to_target_off.
+target (null if never); tokens_ratio_on_off; target; the evaluated curves and wall times. Over the
+seeds: `median_*` of the token counts, of the ratio and of the walls, and `spread_*` [min, max].
+Goal: reuse_rate_on >= 2 and median gen_tokens_to_target_on <= 0.7 x median _off.
 
-    .venv/bin/python bench/reuse.py [--steps 60] [--eval-every 5] [--replay-every 1]
+    .venv/bin/python bench/reuse.py [--seeds 3] [--steps 60] [--eval-every 5] [--replay-every 1]
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ import argparse
 import json
 import logging
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -95,6 +99,7 @@ def tokens_to(curve: list[dict], target: float) -> int | None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--config", default=str(ROOT / "configs" / "tiny-grpo.yaml"))
+    ap.add_argument("--seeds", type=int, default=3, help="pairs of runs, with seeds 0 .. N-1")
     ap.add_argument("--steps", type=int, default=60, help="fresh trainer steps of each run")
     ap.add_argument("--eval-every", type=int, default=5, help="evaluate every k-th policy version")
     ap.add_argument("--replay-every", type=int, default=1, help="fresh steps between replay epochs")
@@ -106,21 +111,36 @@ def main() -> None:
     args = ap.parse_args()
     logging.basicConfig(level=logging.WARNING)
 
+    # every version stays (retention would delete all but the newest few before they are evaluated)
     common = [f"trainer.steps={args.steps}", f"data.eval_size={args.eval_size}", "trainer.checkpoint_every=0",
-              *args.set]
+              f"trainer.keep_policy_versions={args.steps + 1}", *args.set]
     off = [*common, "trainer.replay_epochs=0"]
     on = [*common, f"trainer.replay_epochs={max(1, args.steps // args.replay_every)}",
           "buffer.max_replays_per_group=2"]
     root = args.dir or tempfile.mkdtemp(prefix="bench-reuse-")
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    res_off = one_run(args.config, off, os.path.join(root, f"reuse-off-{stamp}"), args.eval_every, args.threads)
-    res_on = one_run(args.config, on, os.path.join(root, f"reuse-on-{stamp}"), args.eval_every, args.threads)
+    seeds = [one_seed(args, seed, off, on, os.path.join(root, f"{stamp}-seed{seed}")) for seed in range(args.seeds)]
+    line = {"seeds": seeds, "steps": args.steps, "replay_every": args.replay_every}
+    for key in ("gen_tokens_to_target_off", "gen_tokens_to_target_on", "tokens_ratio_on_off", "reuse_rate_on",
+                "wall_s_off", "wall_s_on"):
+        values = sorted(s[key] for s in seeds if s[key] is not None)
+        line[f"median_{key}"] = statistics.median(values) if values else None
+        line[f"spread_{key}"] = [values[0], values[-1]] if values else None
+        line[f"missing_{key}"] = len(seeds) - len(values)  # seeds where the target was never reached
+    off_m, on_m = line["median_gen_tokens_to_target_off"], line["median_gen_tokens_to_target_on"]
+    line["median_tokens_on_over_median_off"] = round(on_m / off_m, 3) if off_m and on_m else None
+    print(json.dumps(line))
 
+
+def one_seed(args, seed: int, off: list[str], on: list[str], prefix: str) -> dict:
+    res_off = one_run(args.config, [*off, f"seed={seed}"], f"{prefix}-off", args.eval_every, args.threads)
+    res_on = one_run(args.config, [*on, f"seed={seed}"], f"{prefix}-on", args.eval_every, args.threads)
     before = res_off["curve"][0]["score"]
     best_off = max(p["score"] for p in res_off["curve"])
     target = before + (1 - args.slack) * (best_off - before)
     t_off, t_on = tokens_to(res_off["curve"], target), tokens_to(res_on["curve"], target)
-    print(json.dumps({
+    return {
+        "seed": seed,
         "reuse_rate_off": round(res_off["reuse_rate"], 3),
         "reuse_rate_on": round(res_on["reuse_rate"], 3),
         "gen_tokens_to_target_off": t_off,
@@ -130,9 +150,7 @@ def main() -> None:
         "curve_off": [[p["version"], p["score"], p["gen_tokens"]] for p in res_off["curve"]],
         "curve_on": [[p["version"], p["score"], p["gen_tokens"]] for p in res_on["curve"]],
         "wall_s_off": res_off["wall_s"], "wall_s_on": res_on["wall_s"],
-        "steps": args.steps, "replay_every": args.replay_every,
-    }))
-
+    }
 
 if __name__ == "__main__":
     main()

@@ -163,6 +163,7 @@ class Sampler:
         self.limiter = self.buffer.rate_limiter()
         self.waited = self.reload_s = 0.0  # since the last logged batch
         self._stop_checked = 0.0
+        self._stale_at: int | None = None  # the policy version at which the staleness bound held it
         log.info("sampler %s: policy v%d, backend %s, %d prompts", sampler_id, self.version, sc.backend, len(prompts))
         self.scorer = RewardScorer(cfg.reward, dtype=cfg.model.dtype)  # a rule reward's worker loads meanwhile
 
@@ -190,9 +191,16 @@ class Sampler:
         """Too far ahead of the trainer (staleness bound) or of the buffer's rate limiter, for the
         draw it holds or else the next one it would claim."""
         sc = self.cfg.sampler
+        if self._stale_at == self.version and not self.claims.others:
+            # Past the staleness bound at this version, alone: the groups ahead of its next batch only
+            # grow, so only a newer policy lets it go on (no need to read the log until then).
+            return True
+        if self.ahead(draw) > sc.max_staleness:
+            self._stale_at = self.version
+            return True
+        self._stale_at = None
         # ahead() has just caught the buffer's state up with the log: the rate limiter reads it as is
-        return (self.ahead(draw) > sc.max_staleness
-                or self.limiter.blocked_by(sc.prompts_per_batch, refresh=False) is not None)
+        return self.limiter.blocked_by(sc.prompts_per_batch, refresh=False) is not None
 
     def wait(self) -> None:
         """Wait for a newer policy, or for the trainer to use what is buffered."""

@@ -1,0 +1,57 @@
+"""The trainer's publication thread: versions in order, a waiting one replaced by a newer one,
+retention every keep_policy_versions publications and at the end, failures surfaced."""
+
+import threading
+
+import pytest
+
+from pipeline.config import TrainerConfig
+from pipeline.trainer import publish as publish_mod
+from pipeline.trainer.publish import BackgroundPublisher
+
+
+class SlowStore:
+    """Stands in for PolicyStore: records publications; the first waits until released."""
+
+    def __init__(self, fail_at: int | None = None):
+        self.published, self.fail_at = [], fail_at
+        self.release = threading.Event()
+        self.started = threading.Event()
+
+    def publish_model(self, version, model, tokenizer, meta, weights):
+        self.started.set()
+        self.release.wait(timeout=30)
+        if version == self.fail_at:
+            raise OSError("storage went away")
+        self.published.append((version, weights["w"]))
+        return True
+
+
+@pytest.fixture
+def retentions(monkeypatch):
+    calls = []
+    monkeypatch.setattr(publish_mod, "prune_policies", lambda store, tc: calls.append(list(store.published)))
+    return calls
+
+
+def test_a_version_waiting_behind_an_upload_is_replaced_by_the_newer_one(retentions):
+    store = SlowStore()
+    pub = BackgroundPublisher(store, TrainerConfig(keep_policy_versions=2))
+    pub.submit(1, None, None, {}, {"w": 1})
+    assert store.started.wait(timeout=30)  # v1 is uploading
+    pub.submit(2, None, None, {}, {"w": 2})
+    pub.submit(3, None, None, {}, {"w": 3})  # v2 never started: v3 takes its place
+    store.release.set()
+    pub.close()
+    assert store.published == [(1, 1), (3, 3)] and pub.replaced == 1
+    assert retentions == [[(1, 1), (3, 3)]]  # after the second publication; none left for close
+
+
+def test_a_failed_publication_fails_the_trainer_when_it_closes_the_publisher(retentions):
+    store = SlowStore(fail_at=1)
+    store.release.set()
+    pub = BackgroundPublisher(store, TrainerConfig(keep_policy_versions=3))
+    pub.submit(1, None, None, {}, {"w": 1})
+    with pytest.raises(RuntimeError, match="storage went away"):
+        pub.close()
+    assert store.published == [] and retentions == []
