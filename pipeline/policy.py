@@ -93,7 +93,9 @@ class PolicyStore:
         """Publish a complete model as `version` through `pipeline.reshard` (the one publication
         path): a Hugging Face folder, or any layout it reads (a trainer checkpoint, tp:N), on local
         disk or any fsspec URL; `meta` adds keys to the manifest. Idempotent: returns False if the
-        version was already committed (a retried task: `publish` reads the manifest first)."""
+        version was already committed (a retried task)."""
+        if self.exists(version):
+            return False
         from .reshard import publish
 
         _, committed = publish(source_url, self.url(version), "hf", policy_version=version, extra=meta)
