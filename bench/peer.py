@@ -56,7 +56,7 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 REGIMES = {
     # config, steps, eval every, target held-out score (reached by both arms in a full run here)
     "demo": {"config": "configs/tiny-grpo.yaml", "steps": 160, "eval_every": 10, "target": 0.60},
-    "generation-heavy": {"config": "configs/tiny-grpo-long.yaml", "steps": 150, "eval_every": 15, "target": 0.40},
+    "generation-heavy": {"config": "configs/tiny-grpo-long.yaml", "steps": 300, "eval_every": 30, "target": 0.40},
 }
 SMOKE = {"demo": {"steps": 20, "eval_every": 10}, "generation-heavy": {"steps": 10, "eval_every": 5}}
 
