@@ -98,15 +98,17 @@ class Supervisor:
 
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             signal.signal(sig, on_signal)
-        self.save()
-        while not self.stopping:
-            self.step()
-            time.sleep(poll_s)
-        self.log("stopping every component")
-        stop_groups([p.pid for p in self.procs.values() if p is not None and p.poll() is None], grace_s=30)
-        for comp in self.comps.values():
-            comp["status"] = "stopped"
-        self.save()
+        try:
+            self.save()
+            while not self.stopping:
+                self.step()
+                time.sleep(poll_s)
+        finally:  # a signal, or a failure of the supervisor itself: it leaves no component behind
+            self.log("stopping every component")
+            stop_groups([p.pid for p in self.procs.values() if p is not None and p.poll() is None], grace_s=30)
+            for comp in self.comps.values():
+                comp["status"] = "stopped"
+            self.save()
         return 0
 
 

@@ -65,3 +65,24 @@ def test_down_stops_the_supervisor_and_every_component(deployment):
     assert sorted(af.down(grace_s=5)) == ["scheduler", "triggerer"]
     assert not any(group_alive(g) for g in groups)
     assert af.status()["healthy"] is False
+
+
+def test_a_supervisor_that_fails_stops_the_components_it_started(tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    home = tmp_path / "home"
+    (home / "logs").mkdir(parents=True)
+    # the first component starts; the second cannot (no such program): the supervisor fails
+    (home / "supervisor-spec.json").write_text(json.dumps({"a": ["sleep", "300"], "b": [str(tmp_path / "missing")]}))
+    proc = subprocess.run([sys.executable, "-m", "plugins.local.supervisor", str(home)], capture_output=True,
+                          text=True, timeout=60)
+    state = json.loads((home / "supervisor.json").read_text())
+    started = state["components"]["a"]["pid"]
+    try:
+        assert proc.returncode != 0 and "missing" in proc.stderr
+        assert started and not group_alive(started) and state["components"]["a"]["status"] == "stopped"
+    finally:
+        if started and group_alive(started):
+            os.killpg(started, signal.SIGKILL)
