@@ -94,8 +94,9 @@ class PolicyStore:
         path): a Hugging Face folder, or any layout it reads (a trainer checkpoint, tp:N), on local
         disk or any fsspec URL; `meta` adds keys to the manifest. Idempotent: returns False if the
         version was already committed (a retried task)."""
-        if self.exists(version):
-            return False
+        return not self.exists(version) and self._publish(version, source_url, meta)
+
+    def _publish(self, version: int, source_url: str, meta: dict | None) -> bool:
         from .reshard import publish
 
         _, committed = publish(source_url, self.url(version), "hf", policy_version=version, extra=meta)
@@ -119,7 +120,7 @@ class PolicyStore:
             write_hf_folder(folder, config=model.config, tokenizer=tokenizer,
                             generation_config=getattr(model, "generation_config", None),
                             weights=model.state_dict() if weights is None else weights)
-            return self.publish_folder(version, folder, meta)
+            return self._publish(version, folder, meta)  # checked above
 
     def publish_checkpoint(self, version: int, checkpoint_url: str) -> PolicyPublication:
         """Publish the trainer checkpoint at `checkpoint_url` as `version` and verify every file of

@@ -37,14 +37,16 @@ def publish_policy(run: RunDir, version: int, actor, tokenizer, world: World, me
 
     store = PolicyStore(run)
     weights = get_model_state_dict(actor.policy, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    if dtype is not None:
-        weights = {k: v.to(dtype) if v.is_floating_point() else v for k, v in weights.items()}
+    # The thread gets a copy (at most one, with the cast): the next optimizer step changes the
+    # parameters, and views of them, in place.
+    copy = world.is_main and publisher is not None
+    weights = {k: v.to(dtype if dtype is not None and v.is_floating_point() else v.dtype, copy=copy)
+               for k, v in weights.items()}
     published = False
     if world.is_main:
         meta = {"step": version, "source": "trainer", **(meta or {})}
         if publisher is not None:
-            # a copy: the next optimizer step changes the parameters (and views of them) in place
-            publisher.submit(version, actor.policy, tokenizer, meta, {k: v.clone() for k, v in weights.items()})
+            publisher.submit(version, actor.policy, tokenizer, meta, weights)
             published = True
         else:  # False when already there (a resumed trainer redoing a step: same data, same weights)
             published = store.publish_model(version, actor.policy, tokenizer, meta, weights=weights)
