@@ -1,4 +1,5 @@
-"""Hugging Face `generate` backend: the fallback engine and the reference for behaviour log-probs."""
+"""Hugging Face backend: the fallback engine and the reference for behaviour log-probs. It runs the
+model's own forward in its own decoding loop (see `decode`), not `generate`."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from ..devices import set_threads
 from ..models import eos_token_ids, load_model, load_tokenizer
 from ..weights import load_state_dict
 from .backend import Completion, GenParams, SamplerBackend
+from .decode import decode
 
 
 class HFBackend(SamplerBackend):
@@ -39,8 +41,6 @@ class HFBackend(SamplerBackend):
     @torch.no_grad()
     def _generate_batch(self, prompts: list[list[int]], n: int, params: GenParams,
                         seeds: list[int]) -> list[list[Completion]]:
-        # One generator for the whole engine call: HF draws for all rows at once.
-        torch.manual_seed(seeds[0])
         width = max(len(p) for p in prompts)
         ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
         mask = torch.zeros_like(ids)
@@ -48,39 +48,21 @@ class HFBackend(SamplerBackend):
             ids[i, width - len(p):] = torch.tensor(p)
             mask[i, width - len(p):] = 1
         ids, mask = ids.to(self.device), mask.to(self.device)
-        kwargs = dict(max_new_tokens=params.max_new_tokens, pad_token_id=self.pad_id, eos_token_id=self.eos_ids,
-                      return_dict_in_generate=True, output_logits=not params.greedy)
-        if params.greedy:
-            kwargs.update(do_sample=False, num_return_sequences=1)
-            n_eff = 1
-        else:
-            kwargs.update(do_sample=True, temperature=params.temperature, top_p=params.top_p, top_k=0,
-                          num_return_sequences=n)
-            n_eff = n
-        out = self.model.generate(input_ids=ids, attention_mask=mask, **kwargs)
-        seqs = out.sequences[:, width:]
-        if params.greedy:
-            lp = torch.zeros(seqs.shape, dtype=torch.float32)
-        else:
-            logits = torch.stack(out.logits, dim=1).float() / params.temperature  # [B*n, T, V]
-            lp = torch.log_softmax(logits, dim=-1).gather(-1, seqs.unsqueeze(-1)).squeeze(-1).cpu()
-        seqs = seqs.cpu()
-        eos = set(self.eos_ids)
+        n_eff = 1 if params.greedy else n
+        # One generator for the whole engine call, seeded by its first prompt.
+        gen = torch.Generator(self.device).manual_seed(seeds[0])
+        out = decode(self.model, ids, mask, n=n_eff, max_new_tokens=params.max_new_tokens, eos_ids=self.eos_ids,
+                     temperature=params.temperature, top_p=params.top_p, greedy=params.greedy, generator=gen)
         results: list[list[Completion]] = []
         for i in range(len(prompts)):
             group = []
             for j in range(n_eff):
                 row = i * n_eff + j
-                toks = seqs[row].tolist()
-                stop = next((k for k, t in enumerate(toks) if t in eos), None)
-                if stop is not None:
-                    end, reason = stop + 1, "stop"
-                else:
-                    end, reason = len(toks), "length"
-                toks = toks[:end]
+                toks = out.tokens[row]
                 group.append(Completion(
-                    token_ids=toks, logprobs=lp[row, :end].tolist(),
-                    text=self.tokenizer.decode(toks, skip_special_tokens=True), finish_reason=reason,
+                    token_ids=toks, logprobs=out.logprobs[row],
+                    text=self.tokenizer.decode(toks, skip_special_tokens=True),
+                    finish_reason="stop" if out.stopped[row] else "length",
                 ))
             results.append(group)
         return results

@@ -1,0 +1,109 @@
+"""The `hf` backend's decoding loop: a causal LM's own forward, one token per step, with a KV cache.
+
+Why not `model.generate`: it keeps every sequence in the batch until the last one ends, so a
+batch pays for `max_new_tokens` steps on every row however early most rows stop (on the
+generation-heavy config, 42% of the slots were finished rows). Here:
+
+- a prompt's prefill runs once and its KV cache is repeated for its `n` samples;
+- rows that have stopped leave the batch (their cache rows are dropped), so each step costs what
+  the still-running rows need;
+- only the last position's logits are computed;
+- sampling is an exponential race (argmax of p / E with E ~ Exp(1)), which draws from p exactly
+  like `multinomial`, at a fraction of its cost on CPU.
+
+The behaviour log-prob of a sampled token is log softmax(logits / temperature) at that token,
+before top-p, as the backend contract says.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class Decoded:
+    tokens: list[list[int]]     # per row (prompt i's sample j is row i * n + j), EOS included
+    logprobs: list[list[float]]
+    stopped: list[bool]         # True: ended on an EOS token; False: reached max_new_tokens
+
+
+def _accepts(model, name: str) -> bool:
+    try:
+        return name in inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def _nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Probabilities with everything outside the smallest set of mass >= top_p zeroed (unnormalised)."""
+    sorted_p, order = probs.sort(-1, descending=True)
+    outside = sorted_p.cumsum(-1) - sorted_p >= top_p  # the mass before this token already reaches top_p
+    sorted_p = sorted_p.masked_fill(outside, 0.0)
+    return torch.zeros_like(probs).scatter_(-1, order, sorted_p)
+
+
+def _pick(logits: torch.Tensor, temperature: float, top_p: float, greedy: bool,
+          generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """(tokens [b], their log-probs under logits / temperature [b]; zeros when greedy)."""
+    if greedy:
+        tok = logits.argmax(-1)
+        return tok, torch.zeros(tok.shape, dtype=torch.float32, device=logits.device)
+    logp = torch.log_softmax(logits.float() / temperature, dim=-1)
+    probs = logp.exp()
+    if top_p < 1.0:
+        probs = _nucleus(probs, top_p)
+    race = torch.empty_like(probs).exponential_(generator=generator)
+    tok = (probs / race).argmax(-1)
+    return tok, logp.gather(-1, tok.unsqueeze(-1)).squeeze(-1)
+
+
+@torch.no_grad()
+def decode(model, ids: torch.Tensor, mask: torch.Tensor, *, n: int, max_new_tokens: int, eos_ids: list[int],
+           temperature: float = 1.0, top_p: float = 1.0, greedy: bool = False,
+           generator: torch.Generator) -> Decoded:
+    """`n` continuations of each left-padded prompt row of `ids` / `mask` ([P, W] long)."""
+    rows_total = ids.shape[0] * n
+    tokens: list[list[int]] = [[] for _ in range(rows_total)]
+    logprobs: list[list[float]] = [[] for _ in range(rows_total)]
+    stopped = [False] * rows_total
+    if max_new_tokens <= 0:
+        return Decoded(tokens, logprobs, stopped)
+    extra = {"logits_to_keep": 1} if _accepts(model, "logits_to_keep") else {}
+    cache_arg = "cache" if _accepts(model, "cache") else "past_key_values"  # the name before transformers 5.2x
+    pos = (mask.cumsum(-1) - 1).clamp_min(0)
+    out = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, **extra)
+    cache = out["cache"] if "cache" in out else out["past_key_values"]
+    logits = out.logits[:, -1]
+    if n > 1:
+        cache.batch_repeat_interleave(n)
+        logits = logits.repeat_interleave(n, dim=0)
+        mask = mask.repeat_interleave(n, dim=0)
+        pos = pos.repeat_interleave(n, dim=0)
+    pos = pos[:, -1:]
+    rows = torch.arange(rows_total, device=ids.device)  # the output row of each batch row
+    eos = torch.tensor(sorted(set(eos_ids)), dtype=torch.long, device=ids.device)
+    for step in range(max_new_tokens):
+        tok, lp = _pick(logits, temperature, top_p, greedy, generator)
+        done = torch.isin(tok, eos)
+        for r, t, l in zip(rows.tolist(), tok.tolist(), lp.tolist()):
+            tokens[r].append(t)
+            logprobs[r].append(l)
+        for r in rows[done].tolist():
+            stopped[r] = True
+        if step == max_new_tokens - 1:
+            break
+        if bool(done.any()):
+            keep = (~done).nonzero().flatten()
+            if keep.numel() == 0:
+                break
+            cache.batch_select_indices(keep)
+            rows, tok, mask, pos = rows[keep], tok[keep], mask[keep], pos[keep]
+        mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=-1)
+        pos = pos + 1
+        out = model(input_ids=tok.unsqueeze(-1), attention_mask=mask, position_ids=pos, use_cache=True,
+                    **{cache_arg: cache}, **extra)
+        logits = out.logits[:, -1]
+    return Decoded(tokens, logprobs, stopped)
