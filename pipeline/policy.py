@@ -10,9 +10,10 @@ versions (`publish_model`, in-memory weights) and each phase's checkpoint (`publ
 which also verifies every file against the manifest; the DAG's reshard task and the local runner
 call it).
 
-Retention (`retain`): the trainer deletes old versions after each publication; a loader takes the
-newest version through `lease_latest`, which records a lease in `policy/leases/<holder>.json`, and
-no version is deleted while a lease on it is held. On object stores a reader gets a version through
+Retention (`retain`): the trainer deletes old versions every few publications, in a constant number
+of requests however many go; a loader takes the newest version through `lease_latest`, which
+records a lease in `policy/leases/<holder>.json` (kept until the holder's next load or `release`),
+and no version is deleted while a lease on it is held. On object stores a reader gets a version through
 a local copy (`local_dir`, in the cache); the copies of a run are bounded too (`LOCAL_COPIES`).
 """
 
@@ -35,7 +36,7 @@ from typing import Iterable, Iterator
 
 from .model_cache import cache_dir
 from .rundir import RunDir
-from .storage import delete, file_exists, is_local, list_names, put_atomic, read_bytes
+from .storage import delete, delete_files, file_exists, is_local, list_files, list_names, put_atomic, read_bytes
 
 log = logging.getLogger("rlhf.policy")
 VERSION_RE = re.compile(r"^v(\d{6,})$")
@@ -97,9 +98,10 @@ class PolicyStore:
         return not self.exists(version) and self._publish(version, source_url, meta)
 
     def _publish(self, version: int, source_url: str, meta: dict | None) -> bool:
+        """Publish `version`, which the caller has just seen uncommitted."""
         from .reshard import publish
 
-        _, committed = publish(source_url, self.url(version), "hf", policy_version=version, extra=meta)
+        _, committed = publish(source_url, self.url(version), "hf", policy_version=version, extra=meta, known_new=True)
         if committed:
             hint = self._hint()  # not latest(): that would see this version past the hint and list them all
             if hint is None or version >= hint:
@@ -171,32 +173,38 @@ class PolicyStore:
     @contextlib.contextmanager
     def lease_latest(self, holder: str, version: int | None = None) -> Iterator[PolicyLease]:
         """The newest version (or `version`, e.g. the one `latest.json` just named), which `retain`
-        does not delete until the block exits: load it inside.
+        does not delete while `holder`'s lease names it: load it inside. The lease stays after the
+        block (the holder runs the version it loaded) until the holder's next lease overwrites it,
+        `release` removes it, or it is older than LEASE_TTL_S: one request per load.
 
         The lease is written before the manifest is read. `retain` removes a manifest before it
         reads the leases, so either it sees this lease and keeps the files, or the manifest was
         already gone when read here, and the newest version is taken again."""
-        lease = self.run.path("policy", LEASES, f"{holder}.json")
-        try:
-            for attempt in range(LEASE_ATTEMPTS):
-                if attempt or version is None:
-                    version = self.latest()
-                if version is None:
-                    raise FileNotFoundError(f"{self.run.url}: no policy version is published")
-                put_atomic(self.fs, lease, json.dumps({"version": version, "time": time.time()}).encode(), fsync=False)
-                try:
-                    folder = self.local_dir(version)
-                except FileNotFoundError:
-                    log.info("policy v%d was deleted before it could be loaded; taking the newest again", version)
-                    continue
-                with self._pinned(folder) as pinned:
-                    if pinned:
-                        yield PolicyLease(version, folder)
-                        return
-            raise FileNotFoundError(f"{self.run.url}: no policy version stayed published long enough to be "
-                                    f"leased ({LEASE_ATTEMPTS} attempts)")
-        finally:
-            delete(self.fs, lease)
+        lease = self._lease(holder)
+        for attempt in range(LEASE_ATTEMPTS):
+            if attempt or version is None:
+                version = self.latest()
+            if version is None:
+                raise FileNotFoundError(f"{self.run.url}: no policy version is published")
+            put_atomic(self.fs, lease, json.dumps({"version": version, "time": time.time()}).encode(), fsync=False)
+            try:
+                folder = self.local_dir(version)
+            except FileNotFoundError:
+                log.info("policy v%d was deleted before it could be loaded; taking the newest again", version)
+                continue
+            with self._pinned(folder) as pinned:
+                if pinned:
+                    yield PolicyLease(version, folder)
+                    return
+        raise FileNotFoundError(f"{self.run.url}: no policy version stayed published long enough to be "
+                                f"leased ({LEASE_ATTEMPTS} attempts)")
+
+    def release(self, holder: str) -> None:
+        """Remove `holder`'s lease (it no longer runs a version of this run)."""
+        delete(self.fs, self._lease(holder))
+
+    def _lease(self, holder: str) -> str:
+        return self.run.path("policy", LEASES, f"{holder}.json")
 
     def leased(self) -> set[int]:
         """Versions under a lease younger than LEASE_TTL_S."""
@@ -217,39 +225,34 @@ class PolicyStore:
         """Delete the versions older than the newest `keep` committed ones, except `protected` and
         those under a lease. Returns the versions deleted.
 
-        Each goes in two steps: its manifest first (the uncommit: from then on no reader starts on
-        it), then, once the leases have been read, its files. A loader writes its lease before it
-        reads the manifest (`lease_latest`), so a loader that found the manifest has a lease this
-        read sees. Folders without a manifest (a killed publication, or files kept for a lease)
-        are removed by a later call. Only the publisher of the versions that are not `protected`
-        may call this, after its publication returned: a version being published is either newer
-        than the newest `keep` or protected."""
+        One listing of `policy/` finds every version's files. Each doomed version goes in two steps:
+        its manifest first (the uncommit: from then on no reader starts on it), then, once the
+        leases have been read, its files; each step is one bulk deletion on object stores. A loader
+        writes its lease before it reads the manifest (`lease_latest`), so a loader that found the
+        manifest has a lease this read sees. Folders without a manifest (a killed publication, or
+        files kept for a lease) are removed by a later call. Only the publisher of the versions
+        that are not `protected` may call this, after its publication returned: a version being
+        published is either newer than the newest `keep` or protected."""
         if keep < 1:
             raise ValueError(f"keep={keep}: at least the newest version must stay")
-        folders, kept = self._folders(), []
-        for v in reversed(folders):  # the newest `keep` committed versions: about `keep` requests
-            if self.exists(v):
-                kept.append(v)
-                if len(kept) == keep:
-                    break
+        files: dict[int, list[str]] = {}
+        for entry in list_files(self.fs, self.run.path("policy"), include_hidden=True):
+            m = VERSION_RE.match(entry.rel.split("/", 1)[0])
+            if m and "/" in entry.rel:
+                files.setdefault(int(m.group(1)), []).append(entry.rel)
+        kept = [v for v in sorted(files, reverse=True) if f"{version_dirname(v)}/manifest.json" in files[v]][:keep]
         if len(kept) < keep:
             return []
         protected = set(protected)
-        doomed = [v for v in folders if v < kept[-1] and v not in protected]
+        doomed = [v for v in sorted(files) if v < kept[-1] and v not in protected]
         if not doomed:
             return []
-        for v in doomed:
-            delete(self.fs, self._dir(v) + "/manifest.json")
+        delete_files(self.fs, [self._dir(v) + "/manifest.json" for v in doomed
+                               if f"{version_dirname(v)}/manifest.json" in files[v]])
         leased = self.leased()
-        deleted = []
-        for v in doomed:
-            if v in leased:
-                continue
-            try:
-                self.fs.rm(self._dir(v), recursive=True)
-            except FileNotFoundError:
-                pass
-            deleted.append(v)
+        deleted = [v for v in doomed if v not in leased]
+        delete_files(self.fs, [self.run.path("policy", rel) for v in deleted for rel in files[v]],
+                     folders=[self._dir(v) for v in deleted])
         if deleted:
             log.info("policy retention: deleted %s", ", ".join(f"v{v}" for v in deleted))
         return deleted

@@ -214,3 +214,24 @@ def delete(fs: fsspec.AbstractFileSystem, path: str) -> None:
         fs.rm_file(path)
     except FileNotFoundError:
         pass
+
+
+_OBJECT_STORES = ("s3", "s3a", "gs", "gcs", "az", "abfs", "abfss")
+
+
+def delete_files(fs: fsspec.AbstractFileSystem, paths: list[str], folders: list[str] = ()) -> None:
+    """Remove `paths` and the `folders` they are in (files already gone are not an error). On
+    object stores, where folders are only key prefixes, one bulk request per 1000 files; elsewhere
+    file by file, then each folder with whatever else it holds."""
+    if _protocol(fs) in _OBJECT_STORES:
+        if paths:
+            fs.rm(list(paths))
+        return
+    for path in paths:
+        if not any(path.startswith(folder.rstrip("/") + "/") for folder in folders):
+            delete(fs, path)
+    for folder in folders:
+        try:
+            fs.rm(folder, recursive=True)
+        except FileNotFoundError:
+            pass

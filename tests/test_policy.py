@@ -3,7 +3,10 @@ loaders fall back to the newest version, and local copies of a remote run stay b
 
 import json
 import os
+import sys
 import uuid
+from collections import Counter
+from pathlib import Path
 
 import pytest
 
@@ -52,6 +55,8 @@ def test_a_version_being_loaded_is_not_deleted_until_its_lease_ends(model_dir, t
         assert store.retain(2, protected={0}) == [1, 2, 4]
         assert store.exists(3) is False  # uncommitted: no new loader starts on it
         assert load_state_dict(lease.path)  # but every file the loader reads is still there
+    assert store.retain(2, protected={0}) == []  # the holder runs what it loaded: still leased
+    store.release("sampler-0")
     assert not os.path.exists(store.run.path("policy", "leases", "sampler-0.json"))
     assert store.retain(2, protected={0}) == [3]
     assert store.versions() == [0, 5, 6] and len(_folders(store)) == 3
@@ -110,3 +115,44 @@ def test_local_copies_of_a_remote_run_stay_bounded_and_a_held_copy_is_kept(model
     store.local_dir(8)
     assert sorted(os.listdir(cache)) == [version_dirname(v) for v in (0, 7, 8)]
     assert json.load(open(os.path.join(cache, version_dirname(8), "manifest.json")))["version"] == 8
+
+
+def test_the_next_lease_replaces_the_last_one_in_one_request(model_dir, tmp_path, monkeypatch):
+    store = _store(str(tmp_path / "run-1"))
+    for v in range(3):
+        store.publish_folder(v, model_dir)
+    with store.lease_latest("sampler-0") as lease:
+        assert lease.version == 2
+    deletes = []
+    monkeypatch.setattr("pipeline.policy.delete", lambda fs, path: deletes.append(path))
+    with store.lease_latest("sampler-0", 1) as lease:
+        assert lease.version == 1
+    assert deletes == [] and store.leased() == {1}  # overwritten, not deleted and written again
+
+
+@pytest.mark.integration
+def test_retention_on_s3_costs_the_same_few_requests_however_many_versions_go(model_dir):
+    sys.path.insert(0, str(Path(__file__).parent / "buffer"))
+    from s3_endpoint import moto_s3, new_prefix
+    import s3fs
+
+    calls: Counter = Counter()
+    real = s3fs.S3FileSystem._call_s3
+
+    async def counting(self, method, *args, **kwargs):
+        calls[method] += 1
+        return await real(self, method, *args, **kwargs)
+
+    with moto_s3("policy-test") as bucket, pytest.MonkeyPatch.context() as mp:
+        store = _store(new_prefix(bucket) + "/run-1")
+        for v in range(8):
+            store.publish_folder(v, model_dir)
+        with store.lease_latest("sampler-0", 7):
+            pass
+        mp.setattr(s3fs.S3FileSystem, "_call_s3", counting)
+        assert store.retain(2, protected={0}) == [1, 2, 3, 4, 5]
+        # a listing, the uncommit, the leases (a listing and one read), the files
+        assert sum(calls.values()) == 5, calls
+        assert calls["delete_objects"] == 2
+        mp.undo()
+        assert store.versions() == [0, 6, 7] and len(_folders(store)) == 3

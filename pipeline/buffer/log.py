@@ -14,7 +14,8 @@ concurrent committers gets each number and the log is a total order every proces
 
 Opening reads the pointer, one checkpoint and the few entries after it, so it costs O(1) files
 whatever the history length. Keeping up reads only entries past the last version seen, probing
-N+1, N+2, ... until one is missing: no listing of the whole log.
+N+1, N+2, ... until one is missing: no listing of the whole log. A process does not read back the
+entries it appended itself (it keeps them until its state reaches them).
 
 Entries only ever appear in order: a committer creates N+1 only after seeing N exist. So the log is
 always a contiguous run of numbers, which is what lets readers stop at the first missing one.
@@ -91,6 +92,7 @@ class CommitLog:
         self._last_pointer_check = 0.0
         self._opened = False
         self._tip = 0  # highest version this process knows to exist (its own blind appends included)
+        self._own: dict[int, LogEntry] = {}  # entries this process appended past its state: not read back
         # object stores: every request is a round trip, so contending writers share a tip hint
         self._remote = not is_local(fs) and not isinstance(fs, MemoryFileSystem)
         self._contended = 0  # appends left to start from the hint (and to update it) after a lost race
@@ -209,6 +211,8 @@ class CommitLog:
         applied = self._probe(self.state.version + 1)
         for entry in applied:
             self.state.apply(entry)
+        if self._own:  # those a checkpoint or a parallel read got past
+            self._own = {v: e for v, e in self._own.items() if v > self.state.version}
         if not applied:
             self._catch_up_after_retention()
         return applied
@@ -222,8 +226,8 @@ class CommitLog:
         out: list[LogEntry] = []
         v, width = start, 1
         while True:
-            if width == 1:
-                entries = [self.read_entry(v)]
+            if width == 1 or v in self._own:
+                entries = [self._own.pop(v, None) or self.read_entry(v)]
             else:
                 with ThreadPoolExecutor(width) as ex:
                     entries = list(ex.map(self.read_entry, range(v, v + width)))
@@ -324,6 +328,8 @@ class CommitLog:
             put_atomic(self.fs, join(self.dir, TIP), json.dumps({"v": v}).encode(), fsync=False)
         if v == self.state.version + 1:
             self.state.apply(entry)
+        else:
+            self._own[v] = entry
         if self.checkpoint_interval and v % self.checkpoint_interval == 0:
             self._catch_up()
             self.write_checkpoint()

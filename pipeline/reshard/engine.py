@@ -125,8 +125,11 @@ def reshard(src_url: str, dst_url: str, to: str = "hf", *, policy_version: int |
 
 
 def publish(src_url: str, dst_url: str, to: str = "hf", *, policy_version: int | None = None,
-            max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, extra: dict | None = None) -> tuple[dict, bool]:
-    """`reshard`, also saying whether this call committed the output (False: it already existed)."""
+            max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, extra: dict | None = None,
+            known_new: bool = False) -> tuple[dict, bool]:
+    """`reshard`, also saying whether this call committed the output (False: it already existed).
+    `known_new`: the caller has just seen DST without a manifest, so it is not read again (the
+    create-only commit still decides between concurrent publishers)."""
     fmt = parse_format(to)
     if max_shard_bytes < 1:
         raise ReshardError(f"max_shard_bytes: {max_shard_bytes} must be positive")
@@ -143,7 +146,7 @@ def publish(src_url: str, dst_url: str, to: str = "hf", *, policy_version: int |
         version = policy_version if policy_version is not None else source.policy_version
         step = source.step if source.step is not None else (extra or {}).get("step")
 
-        existing = read_manifest(fs, root)
+        existing = None if known_new else read_manifest(fs, root)
         if existing is not None:
             if not _same_request(existing, str(fmt), version, step):
                 raise ReshardError(

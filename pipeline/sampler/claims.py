@@ -58,7 +58,13 @@ class DrawClaims:
         self.key = RunDir.sampler_state_marker(sampler_id)
         self.state = {k: v for k, v in (run.marker(self.key) or {}).items() if k in ("last_draw", "batches", "batch_s")}
         self.others = [RunDir.sampler_state_marker(s) for s in replica_ids(replicas) if s != sampler_id.lower()]
+        self.contended = False  # a draw it went for was taken: a replica the config does not name has joined
         self._save()  # a hold left by an earlier process of this replica is void: it will never be handed over
+
+    @property
+    def alone(self) -> bool:
+        """No other replica is configured and none has taken a draw from under this one."""
+        return not self.others and not self.contended
 
     @property
     def batches(self) -> int:
@@ -75,6 +81,7 @@ class DrawClaims:
         k = self.last + 1
         while not put_if_absent(self.fs, join(self.dir, claim_name(k)), payload, fsync=False):
             k += 1  # another replica has it
+            self.contended = True
         self.last = k
         if self.others:  # else nobody reads the hold: one request less per batch
             self._save(holding=k, since=time.time())

@@ -2,7 +2,7 @@
 
 It runs until the stop marker appears or the trainer is done. Each iteration:
 1. load the newest published policy version in place (no restart), under a lease that keeps
-   retention from deleting it meanwhile;
+   retention from deleting it meanwhile (looked for after each batch and while waiting);
 2. wait while it is more than `max_staleness` versions ahead of the trainer (the rate limiter);
 3. claim the run's next prompt draw (`claims.py`: replicas never draw the same batch twice);
 4. generate `group_size` completions for each of `prompts_per_batch` prompts, record the
@@ -191,7 +191,7 @@ class Sampler:
         """Too far ahead of the trainer (staleness bound) or of the buffer's rate limiter, for the
         draw it holds or else the next one it would claim."""
         sc = self.cfg.sampler
-        if self._stale_at == self.version and not self.claims.others:
+        if self._stale_at == self.version and self.claims.alone:
             # Past the staleness bound at this version, alone: the groups ahead of its next batch only
             # grow, so only a newer policy lets it go on (no need to read the log until then).
             return True
@@ -222,7 +222,9 @@ class Sampler:
         record (None when the run stops while the claimed draw waits for the staleness bound)."""
         sc, tok = self.cfg.sampler, self.tokenizer
         draw = self.claims.next()
-        while self.throttled(draw):  # another replica claimed ahead of what we had seen
+        # alone, the check before claiming counted everything ahead of this draw; with other replicas,
+        # one may have claimed ahead of what we had seen
+        while not self.claims.alone and self.throttled(draw):
             if self.stopping():
                 self.claims.release(draw)
                 return None
@@ -236,7 +238,8 @@ class Sampler:
         gen_s = time.time() - t0
         scored, reward_s = _score(self.scorer, batch, groups, self.metrics)
         rows, rewards, tokens = _rows(batch, prompt_ids, groups, scored, self.version, self.sampler_id)
-        kept = self.ahead(handover=True) <= sc.max_staleness  # else other replicas committed past it meanwhile
+        # else other replicas committed past it meanwhile (alone, only its own groups are ahead: counted before)
+        kept = self.claims.alone or self.ahead(handover=True) <= sc.max_staleness
         if not kept:
             self.dropped += 1
             log.warning("sampler %s: draw %d would arrive past sampler.max_staleness; dropped", self.sampler_id, draw)
@@ -263,18 +266,19 @@ class Sampler:
     def run_until_stopped(self) -> dict:
         try:
             while not self.stopping():
-                self.reload_if_newer()
                 if self.throttled():
-                    self.wait()
+                    self.wait()  # which looks for a newer policy
                     continue
                 record = self.one_batch()
                 if record is not None:
                     self.metrics.log(record)
+                self.reload_if_newer()
         finally:
             self.writer.close()
             self.metrics.flush()
             self.backend.close()
             self.scorer.close()
+            self.store.release(self.sampler_id)
         return {"batches": self.claims.batches, "policy_version": self.version}
 
 

@@ -422,3 +422,23 @@ def test_entries_and_checkpoints_without_a_checksum_are_read_as_before(original,
     buf = ReplayBuffer(url, CONFIG)
     assert canonical(buf.refresh()) == canonical(original.state(N))
     assert buf.verify()["ok"]
+
+
+def test_an_appender_whose_state_lags_does_not_read_its_own_entries_back(tmp_path):
+    from pipeline.buffer.actions import AddShard
+    from pipeline.buffer.log import CommitLog
+    from pipeline.storage import url_to_fs
+
+    fs, root = url_to_fs(str(tmp_path / "buffer"))
+    mine, other = CommitLog(fs, root, writer="a"), CommitLog(fs, root, writer="b")
+
+    def add(log: CommitLog, name: str) -> int:
+        return log.commit([AddShard(f"l1/{name}.parquet", "l1", 2, 10, (2,), (0, 0), 0.0)])
+
+    assert add(mine, "a1") == 1 and add(other, "b1") == 2
+    assert add(mine, "a2") == 3  # past its state (version 1): entry 2 is not read yet
+    before = mine.files_read
+    mine.refresh()
+    assert mine.files_read - before == 1  # entry 2 only
+    assert mine.state.version == 3
+    assert {"l1/a1.parquet", "l1/b1.parquet", "l1/a2.parquet"} <= set(mine.state.shards)

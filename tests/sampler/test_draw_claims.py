@@ -62,3 +62,12 @@ def test_the_staleness_gate_counts_live_holds_of_other_replicas_below_a_draw(tmp
     assert c.held_below() == 0 and again.next() == 2
     again.release(2)  # given up unmade (the run stopped): not a batch
     assert again.batches == 0 and DrawClaims(run, "sampler-0", replicas=3).batches == 1
+
+
+def test_a_replica_the_config_does_not_name_ends_being_alone(tmp_path):
+    run = RunDir(f"file://{tmp_path / 'run'}")
+    first = DrawClaims(run, "sampler-0", replicas=1)
+    first.next()
+    assert first.alone  # its staleness checks may rely on counting only its own groups
+    DrawClaims(run, "sampler-7", replicas=1).next()  # joins the running run
+    assert first.next() == 2 and not first.alone  # it found draw 1 taken: checks against others again
