@@ -117,14 +117,16 @@ def run_local(cfg: RunConfig, run_url: str | None = None, progress: bool = True)
                                                  extra_args=("--sampler-id", sid))
                                      for i, sid in enumerate(replica_ids(cfg.sampler.replicas))})
         procs["trainer"] = _trainer(run, cfg)
-        follow(run, procs, show_bar=progress, on_tick=lambda: orchestration.advance(run))
+        frozen, settled = run.config(), set()  # read once: the run's config does not change while it runs
+        follow(run, procs, show_bar=progress, on_tick=lambda: orchestration.advance(run, frozen, settled), cfg=frozen)
         rc = procs["trainer"].wait()
         if rc == 0 and not run.has_marker(RunDir.TRAINER_DONE_MARKER):
             stop = run.marker(RunDir.STOP_MARKER) or {}
             raise RuntimeError(f"the trainer stopped before its last step ({stop.get('reason') or 'stop marker'}); "
                                "the run is not finished: run the same command again to resume it")
         if rc == 0:
-            orchestration.advance(run)  # the last phase's checkpoint becomes the final policy version
+            # the last phase's checkpoint becomes the final policy version
+            orchestration.advance(run, frozen, settled)
         orchestration.stop_after_trainer(run, by="runner", unfinished=f"trainer exited with {rc}")
         src = procs["sampler"].wait(timeout=120)
         if rc != 0 or src != 0:

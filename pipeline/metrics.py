@@ -67,28 +67,52 @@ def stream_names(run) -> list[str]:
 
 def read_stream(run, stream: str) -> list[dict]:
     """Every record of the stream, in the order logged ([] when it does not exist)."""
-    for attempt in range(READ_ATTEMPTS):
-        try:
-            return _read(run, stream)
-        except FileNotFoundError:  # a compaction deleted an object after the listing: list again
-            if attempt + 1 == READ_ATTEMPTS:
-                raise
-    return []
+    return StreamReader(run, stream).read()
 
 
-def _read(run, stream: str) -> list[dict]:
-    live = _live(_objects(run, stream))
-    out: list[dict] = []
-    if not live or live[0][0] != "base":
-        try:
-            _parse(read_bytes(run.fs, run.path(f"metrics/{stream}.jsonl")), out)
-        except FileNotFoundError:
-            pass  # a stream written in parts only
-    paths = [run.path("metrics", stream, f"{kind}-{seq:08d}.jsonl") for kind, seq in live]
-    blobs = run.fs.cat(paths, on_error="raise") if paths else {}
-    for path in paths:
-        _parse(blobs[path] if path in blobs else blobs[run.fs._strip_protocol(path)], out)
-    return out
+class StreamReader:
+    """Reads one stream again and again (a progress line, a watch), fetching only what is new.
+    Parts and bases are created once and never rewritten, so each is fetched once; so is
+    `<stream>.jsonl` on an object store, where writers never write it (a rebase deletes it). A
+    read lists the stream's folder and fetches what it has not read yet (on local disk, also
+    `<stream>.jsonl`, which is appended to)."""
+
+    def __init__(self, run, stream: str):
+        self.run, self.stream = run, stream
+        self._head = run.path(f"metrics/{stream}.jsonl")
+        self._keep_head = not is_local(run.fs)
+        self._read: dict[str, list[dict]] = {}  # path -> its records
+
+    def read(self) -> list[dict]:
+        """Every record of the stream, in the order logged ([] when it does not exist)."""
+        for attempt in range(READ_ATTEMPTS):
+            try:
+                return self._records()
+            except FileNotFoundError:  # a compaction deleted an object after the listing: list again
+                if attempt + 1 == READ_ATTEMPTS:
+                    raise
+        return []
+
+    def _records(self) -> list[dict]:
+        run, stream = self.run, self.stream
+        live = _live(_objects(run, stream))
+        paths = [run.path("metrics", stream, f"{kind}-{seq:08d}.jsonl") for kind, seq in live]
+        if not live or live[0][0] != "base":
+            paths.insert(0, self._head)
+            if self._head not in self._read or not self._keep_head:
+                out: list[dict] = []
+                try:
+                    _parse(read_bytes(run.fs, self._head), out)
+                except FileNotFoundError:
+                    pass  # a stream written in parts only
+                self._read[self._head] = out
+        new = [p for p in paths if p not in self._read]
+        blobs = run.fs.cat(new, on_error="raise") if new else {}
+        for path in new:
+            self._read[path] = out = []
+            _parse(blobs[path] if path in blobs else blobs[run.fs._strip_protocol(path)], out)
+        self._read = {p: self._read[p] for p in paths}  # what a rebase replaced is dropped
+        return [r for p in paths for r in self._read[p]]
 
 
 class MetricsLog:

@@ -173,10 +173,10 @@ def open_replay_gate(run: RunDir, epoch: int, eligible: int | None) -> dict:
     return {"epoch": epoch, "eligible": eligible}
 
 
-def poll_replay_gate(run: RunDir, epoch: int) -> dict:
+def poll_replay_gate(run: RunDir, epoch: int, min_groups: int | None = None) -> dict:
     """One look of a waiter: `check_replay_gate`, and open the gate if it is ready and still closed.
     Returns the check with "open" as it is now, and "opened_now"."""
-    gate = check_replay_gate(run, epoch)
+    gate = check_replay_gate(run, epoch, min_groups)
     if gate["open"] or not gate["ready"]:
         return {**gate, "opened_now": False}
     opened = open_replay_gate(run, epoch, gate["eligible"])
@@ -190,27 +190,36 @@ def replay_epoch_skipped(run: RunDir, epoch: int) -> bool:
 
 
 # the local runner's tick ----------------------------------------------------------------------------
-def advance(run: RunDir) -> list[str]:
+def advance(run: RunDir, cfg: RunConfig | None = None, settled: set[str] | None = None) -> list[str]:
     """Publish every finished phase that is not yet a policy version, and open every replay gate
-    that is ready, in order (what the DAG's reshard tasks and gate sensors do). Returns what it did."""
+    that is ready, in order (what the DAG's reshard tasks and gate sensors do). Returns what it did.
+    A caller that ticks passes the run's `cfg` and a `settled` set, which remembers the phases
+    published and the gates open so that later ticks do not look at them again."""
     from .policy import PolicyStore
 
-    tc = run.config().trainer
+    cfg = cfg or run.config()
+    tc, settled = cfg.trainer, set() if settled is None else settled
     done: list[str] = []
     store = PolicyStore(run)
     for k in range(tc.phases):
+        if f"phase {k}" in settled:
+            continue
         m = run.marker(RunDir.phase_done_marker(k))
         if m is None:
             break
         if not store.exists(int(m["step"])):
             publish_phase(run, k, int(m["step"]), m["checkpoint"])
             done.append(f"published policy v{int(m['step'])} from phase {k}")
+        settled.add(f"phase {k}")
     for e in range(tc.replay_epochs):
-        gate = poll_replay_gate(run, e)
+        if f"gate {e}" in settled:
+            continue
+        gate = poll_replay_gate(run, e, replay_gate_min_groups(cfg))
         if not gate["open"]:
             break
         if gate["opened_now"]:
             done.append(f"opened replay gate {e} ({gate['eligible']} eligible groups)")
+        settled.add(f"gate {e}")
     for line in done:
         log.info("%s", line)
     return done

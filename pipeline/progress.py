@@ -14,8 +14,9 @@ import logging
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from .metrics import StreamReader
 from .rundir import RunDir
 
 log = logging.getLogger("rlhf.progress")
@@ -46,9 +47,10 @@ def format_rate(per_s: float) -> str:
     return f"{per_s:.0f}"
 
 
-def snapshot(run: RunDir, records: list[dict] | None = None) -> dict:
-    """What the progress line says, as a dict (also the demo's and the task log's source)."""
-    cfg = run.config()
+def snapshot(run: RunDir, records: list[dict] | None = None, cfg=None) -> dict:
+    """What the progress line says, as a dict (also the demo's and the task log's source); `cfg`:
+    the run's config, when the caller has read it."""
+    cfg = cfg or run.config()
     records = run.read_metrics("trainer") if records is None else records
     steps = [r for r in records if isinstance(r.get("step"), (int, float))]
     recent = steps[-WINDOW:]
@@ -101,15 +103,16 @@ def format_progress(snap: dict) -> str:
     return " · ".join(parts)
 
 
-def progress_line(run: RunDir, records: list[dict] | None = None) -> str:
-    return format_progress(snapshot(run, records))
+def progress_line(run: RunDir, records: list[dict] | None = None, cfg=None) -> str:
+    return format_progress(snapshot(run, records, cfg))
 
 
 @dataclass
 class TrainerWatch:
     """Watches the trainer's metrics from outside its process: a progress line every `every`
     steps, and a stall when no new step appeared for `stall_timeout_s` (0: never) since the
-    watch started or the last new step. `clock` is monotonic seconds."""
+    watch started or the last new step. `clock` is monotonic seconds. It reads only the metrics
+    that are new since its last look (`reader`)."""
 
     run: RunDir
     every: int = 5
@@ -118,17 +121,22 @@ class TrainerWatch:
     last_step: int | None = None
     last_change: float | None = None
     logged_step: int = -1
+    cfg: object = None  # the run's config, when the caller has read it
+    reader: StreamReader = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.reader = StreamReader(self.run, "trainer")
 
     def poll(self) -> tuple[str | None, str | None]:
         """(a progress line to log or None, the reason of a stall or None)."""
         now = self.clock()
-        records = self.run.read_metrics("trainer")
+        records = self.reader.read()
         step = max((int(r["step"]) for r in records if isinstance(r.get("step"), (int, float))), default=0)
         if self.last_step is None or step > self.last_step:
             self.last_step, self.last_change = step, now
         line = None
         if step > 0 and step // self.every > self.logged_step // self.every:
-            line, self.logged_step = progress_line(self.run, records), step
+            line, self.logged_step = progress_line(self.run, records, self.cfg), step
         idle = now - (self.last_change if self.last_change is not None else now)
         if self.stall_timeout_s and idle >= self.stall_timeout_s and not self.run.has_marker(self.run.TRAINER_DONE_MARKER):
             return line, (f"no new trainer step for {format_duration(idle)} (trainer.stall_timeout_s="
@@ -137,13 +145,14 @@ class TrainerWatch:
 
 
 def follow(run: RunDir, procs: dict[str, subprocess.Popen], show_bar: bool = True, poll_s: float = 1.0,
-           on_tick=None) -> None:
+           on_tick=None, cfg=None) -> None:
     """Block until the trainer exits; fail fast if the sampler dies first. `on_tick()` runs every
     poll (the local runner's orchestration: reshard finished phases, open replay gates). In a
     terminal the progress line is rewritten in place; elsewhere it is logged every
-    `trainer.log_every` steps."""
+    `trainer.log_every` steps. `cfg`: the run's config, when the caller has read it."""
     tty = show_bar and sys.stderr.isatty()
-    watch = TrainerWatch(run, every=run.config().trainer.log_every)
+    cfg = cfg or run.config()
+    watch = TrainerWatch(run, every=cfg.trainer.log_every, cfg=cfg)
     shown = ""
     try:
         while procs["trainer"].poll() is None:
@@ -153,7 +162,7 @@ def follow(run: RunDir, procs: dict[str, subprocess.Popen], show_bar: bool = Tru
             if s is not None and s != 0:
                 raise RuntimeError(f"sampler exited with {s} while the trainer was running")
             if tty:
-                line = progress_line(run)
+                line = progress_line(run, watch.reader.read(), cfg)
                 if line != shown:
                     sys.stderr.write("\r" + line.ljust(len(shown)))
                     sys.stderr.flush()
@@ -167,4 +176,4 @@ def follow(run: RunDir, procs: dict[str, subprocess.Popen], show_bar: bool = Tru
         if tty and shown:
             sys.stderr.write("\n")
     if not tty:
-        log.info("%s", progress_line(run))
+        log.info("%s", progress_line(run, watch.reader.read(), cfg))

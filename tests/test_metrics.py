@@ -94,3 +94,29 @@ def test_parts_on_a_real_s3_endpoint():
         assert [r["step"] for r in run.read_metrics("trainer")] == list(range(1, 51))
         assert len(run.fs.ls(run.path("metrics", "trainer"))) == 1  # 50 records, one flush: one part
         assert run.metric_streams() == ["trainer"]
+
+
+def test_a_reader_that_reads_again_fetches_only_the_objects_that_are_new(monkeypatch):
+    """A progress watch reads the trainer's stream every second: before, every look fetched every
+    part (and looked for `<stream>.jsonl` again)."""
+    from pipeline.metrics import StreamReader
+
+    fetched: list[str] = []
+    real = MemoryFileSystem.cat_file
+
+    def counting(self, path, *a, **k):
+        fetched.append(path.rsplit("/", 1)[-1])
+        return real(self, path, *a, **k)
+
+    monkeypatch.setattr(MemoryFileSystem, "cat_file", counting)
+    run = _memory_run()
+    log = MetricsLog(run, "trainer", flush_every=1, flush_s=1e9, compact_every=4)
+    reader = StreamReader(run, "trainer")
+    for step in range(1, 11):
+        log.log({"step": step})
+        fetched.clear()
+        assert [r["step"] for r in reader.read()] == list(range(1, step + 1))
+        # the new part or base (and, the first time, the stream's first file, absent here)
+        assert fetched == (["trainer.jsonl"] if step == 1 else []) + [fetched[-1]], fetched
+    log.replace([{"step": 1}])  # a resumed trainer drops the steps it redoes
+    assert [r["step"] for r in reader.read()] == [1]

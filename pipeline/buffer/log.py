@@ -9,7 +9,7 @@ concurrent committers gets each number and the log is a total order every proces
                                            (actions.py: the actions; logfiles.py: names and the seal)
     _log/00000000000000000050.ckpt.json   the state after entry 50 (every `checkpoint_interval`)
     _log/_last_checkpoint                  {"v": 50}: where opening starts (may lag; never ahead)
-    _log/_tip                              {"v": 57}: where contending writers of a remote log start
+    _log/_tip                              {"v": 57, "by": "<id>"}: where contending appenders of a remote log start
                                            (a hint: may lag or even go back; never trusted)
 
 Opening reads the pointer, one checkpoint and the few entries after it, so it costs O(1) files
@@ -52,7 +52,7 @@ log = logging.getLogger(__name__)
 __all__ = ["CommitLog", "CommitConflict", "shards_still_live"]
 
 _REMOTE_PROBE = 8  # most entries read in parallel when catching up on remote storage
-_CONTENDED_APPENDS = 16  # appends that use and update the tip hint after the last lost race
+_CONTENDED_APPENDS = 16  # appends that use and update the tip hint after one another appender wrote
 _BACKOFF_MAX = 8  # after a lost race on remote storage, wait up to this many round trips (times misses)
 _BLIND_TRIES = 4  # lost add-only races before catching up with the log instead of trying the next number
 
@@ -95,7 +95,8 @@ class CommitLog:
         self._own: dict[int, LogEntry] = {}  # entries this process appended past its state: not read back
         # object stores: every request is a round trip, so contending writers share a tip hint
         self._remote = not is_local(fs) and not isinstance(fs, MemoryFileSystem)
-        self._contended = 0  # appends left to start from the hint (and to update it) after a lost race
+        self._contended = 0  # appends left to start from the hint (and to update it): see `_append`
+        self._id, self._tip_by = uuid.uuid4().hex[:12], ""  # who writes our tips; who wrote the last read
 
     # reading ----------------------------------------------------------------------------------
     @property
@@ -295,18 +296,23 @@ class CommitLog:
         answer was lost, retried under the next number) is harmless: adding a path twice is
         ignored by the state.
 
-        On remote storage, a writer that lost a race publishes the number it gets in `_tip` for
-        its next _CONTENDED_APPENDS appends, and starts each of them there instead of walking
-        past every entry the others committed since its last one, one failed create-only PUT
-        each. The hint may lag or go back (racing overwrites); it only saves requests, and the
-        create-only PUT still decides. A writer that lost a race waits a random fraction of a
-        round trip per race lost so far (at most _BACKOFF_MAX) before the next try: the losers
-        of one number then do not all race again for the next. A process far behind skips ahead
-        after a few misses (see `_known_end`) instead of probing number by number. The state is
-        read only to write a checkpoint, from the newest checkpoint on."""
+        On remote storage, a writer that lost two races in one append reads `_tip`. Written by
+        another appender, the tip tells it contends with appenders: for its next
+        _CONTENDED_APPENDS appends (counted again from each tip another one wrote) it starts at
+        the tip instead of walking past every entry the others committed since its last one, one
+        failed create-only PUT each, and publishes the number it gets there. No tip yet: it
+        publishes one, for others to find. Its own tip: the races were lost to committers that
+        do not write it (the trainer's `commit`), and it tells nothing, so one appender costs no
+        tip request. The hint may lag or go back (racing overwrites); it only saves requests,
+        and the create-only PUT still decides. A writer that lost a race waits a random fraction
+        of a round trip per race lost so far (at most _BACKOFF_MAX) before the next try: the
+        losers of one number then do not all race again for the next. A process far behind skips
+        ahead after a few misses (see `_known_end`) instead of probing number by number. The
+        state is read only to write a checkpoint, from the newest checkpoint on."""
         v = max(self.state.version, self._tip) + 1
-        if self._remote and self._contended:
-            v = max(v, self._read_tip() + 1)
+        publish = self._remote and self._contended > 0
+        if publish:
+            v = max(v, self._use_tip(self._contended - 1) + 1)
         misses = 0
         while True:
             entry = LogEntry(v, time.time(), actions, uuid.uuid4().hex, writer)
@@ -316,16 +322,16 @@ class CommitLog:
             misses += 1
             if self._remote:  # the losers of a number would all race for the next one: spread them
                 time.sleep(random.uniform(0, min(misses, _BACKOFF_MAX) * (time.monotonic() - t0)))
-            if self._remote and misses == 1 and not self._contended:
-                v = max(v, self._read_tip()) + 1
+            if self._remote and misses == 2 and not publish:
+                v = max(v, self._use_tip(0)) + 1
+                publish = self._tip_by != self._id
             elif misses % _BLIND_TRIES == 0:
                 v = max(v, self._known_end()) + 1
             else:
                 v += 1
         self._tip = v
-        if self._remote and (misses or self._contended):
-            self._contended = _CONTENDED_APPENDS if misses else self._contended - 1
-            put_atomic(self.fs, join(self.dir, TIP), json.dumps({"v": v}).encode(), fsync=False)
+        if publish:
+            put_atomic(self.fs, join(self.dir, TIP), json.dumps({"v": v, "by": self._id}).encode(), fsync=False)
         if v == self.state.version + 1:
             self.state.apply(entry)
         else:
@@ -345,10 +351,21 @@ class CommitLog:
         return self.state.version
 
     def _read_tip(self) -> int:
+        """The tip hint's version (0: none); its writer goes to `_tip_by` ("": none, None: unknown)."""
+        self._tip_by = ""
         try:
-            return int(json.loads(read_bytes(self.fs, join(self.dir, TIP)))["v"])
+            doc = json.loads(read_bytes(self.fs, join(self.dir, TIP)))
+            v = int(doc["v"])
         except (FileNotFoundError, ValueError, KeyError, TypeError):
             return 0
+        self._tip_by = doc.get("by") if isinstance(doc, dict) else None
+        return v
+
+    def _use_tip(self, otherwise: int) -> int:
+        """Read the tip; contended for _CONTENDED_APPENDS appends if another wrote it, else `otherwise`."""
+        v = self._read_tip()
+        self._contended = _CONTENDED_APPENDS if self._tip_by not in ("", self._id) else otherwise
+        return v
 
     def _catch_up(self) -> None:
         """Refresh; a state more than a checkpoint behind starts from the newest checkpoint rather

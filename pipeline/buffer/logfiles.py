@@ -3,7 +3,7 @@
     _log/00000000000000000042.json        entry 42 (see actions.LogEntry)
     _log/00000000000000000050.ckpt.json   the state after entry 50
     _log/_last_checkpoint                  {"v": 50}
-    _log/_tip                              {"v": 57}
+    _log/_tip                              {"v": 57, "by": "<appender id>"}
 
 Every entry and checkpoint starts with `"sum"`, a checksum of the rest of its bytes, so a file
 changed after it was written is detected on reading; files written before it existed have none and

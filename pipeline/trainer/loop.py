@@ -64,40 +64,58 @@ class NullMetrics:
         pass
 
 
+STOP_CHECK_S = 0.5  # a waiting trainer looks for the stop marker at most this often
+
+
+class _Wait:
+    """The pace of a trainer's wait: it polls every `poll_s` at first, then every quarter of the
+    time waited so far, up to STOP_CHECK_S (a new batch is picked up at most a quarter later than
+    it would be otherwise; an idle wait costs few requests), and looks for the stop marker at most
+    every STOP_CHECK_S and before it times out."""
+
+    def __init__(self, run: RunDir, poll_s: float, timeout_s: float):
+        self.run, self.poll_s, self.timeout_s = run, poll_s, timeout_s
+        self.t0 = self.stop_checked = time.time()
+
+    def waited(self) -> float:
+        return time.time() - self.t0
+
+    def sleep(self, timeout_message) -> None:
+        """Raise TrainerStopped or TimeoutError (`timeout_message()`), else sleep before the next poll."""
+        now = time.time()
+        waited = now - self.t0
+        if waited > self.timeout_s or now - self.stop_checked >= STOP_CHECK_S:
+            self.stop_checked = now
+            if self.run.stop_requested():
+                raise TrainerStopped()
+        if waited > self.timeout_s:
+            raise TimeoutError(timeout_message())
+        time.sleep(max(self.poll_s, min(waited / 4, STOP_CHECK_S)))
+
+
 def wait_for_groups(buffer: ReplayBuffer, run: RunDir, cursor: dict | None, groups: int,
                     poll_s: float, timeout_s: float) -> tuple[pa.Table, dict | None, float]:
     """Read exactly `groups` fresh groups (blocking). Returns (table, new cursor, seconds waited)."""
     parts: list[pa.Table] = []
     have = 0
-    t0 = time.time()
+    wait = _Wait(run, poll_s, timeout_s)
     while have < groups:
         table, cursor = buffer.read_fresh(cursor, groups - have)
         if table.num_rows:
             parts.append(table)
             have += len(set(table.column("group_id").to_pylist()))
             continue
-        if run.stop_requested():
-            raise TrainerStopped()
-        if time.time() - t0 > timeout_s:
-            raise TimeoutError(
-                f"no fresh rollouts for {timeout_s:.0f}s (have {have}/{groups} groups); is the sampler running? "
-                "raise trainer.wait_timeout_s for slow samplers"
-            )
-        time.sleep(poll_s)
-    return pa.concat_tables(parts), cursor, time.time() - t0
+        wait.sleep(lambda: f"no fresh rollouts for {timeout_s:.0f}s (have {have}/{groups} groups); is the sampler "
+                           "running? raise trainer.wait_timeout_s for slow samplers")
+    return pa.concat_tables(parts), cursor, wait.waited()
 
 
 def wait_for_gate(run: RunDir, epoch: int, poll_s: float, timeout_s: float) -> float:
-    t0 = time.time()
+    wait = _Wait(run, poll_s, timeout_s)
     while not run.has_marker(RunDir.replay_gate_marker(epoch)):
-        if run.stop_requested():
-            raise TrainerStopped()
-        if time.time() - t0 > timeout_s:
-            raise TimeoutError(f"replay gate {epoch} stayed closed for {timeout_s:.0f}s; the orchestrator opens it "
-                               f"(markers/{RunDir.replay_gate_marker(epoch)}.json) once L2 holds enough "
-                               "eligible groups")
-        time.sleep(poll_s)
-    return time.time() - t0
+        wait.sleep(lambda: f"replay gate {epoch} stayed closed for {timeout_s:.0f}s; the orchestrator opens it "
+                           f"(markers/{RunDir.replay_gate_marker(epoch)}.json) once L2 holds enough eligible groups")
+    return wait.waited()
 
 
 def check_config(cfg) -> None:

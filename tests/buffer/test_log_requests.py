@@ -1,0 +1,82 @@
+"""What the commit log asks of remote storage: the requests an appender makes for the tip hint.
+
+memory:// stands in for an object store (`_remote` forced on); the log module's storage calls are
+counted by path."""
+
+from __future__ import annotations
+
+import uuid
+from collections import Counter
+
+import pytest
+
+from pipeline.buffer import log as log_mod
+from pipeline.buffer.actions import AddShard, MarkConsumed
+from pipeline.buffer.log import CommitLog
+from pipeline.buffer.logfiles import TIP
+from pipeline.storage import url_to_fs
+
+
+@pytest.fixture
+def calls(monkeypatch) -> Counter:
+    """(function, file name) -> count, for the log module's reads and writes."""
+    seen: Counter = Counter()
+    for name in ("read_bytes", "put_atomic", "put_if_absent"):
+        real = getattr(log_mod, name)
+
+        def counted(fs, path, *a, _real=real, _name=name, **k):
+            seen[(_name, path.rsplit("/", 1)[-1])] += 1
+            return _real(fs, path, *a, **k)
+
+        monkeypatch.setattr(log_mod, name, counted)
+    return seen
+
+
+def _logs(*writers: str) -> list[CommitLog]:
+    fs, root = url_to_fs(f"memory://logs/{uuid.uuid4().hex}")
+    logs = [CommitLog(fs, root, checkpoint_interval=0, writer=w) for w in writers]
+    for lg in logs:
+        lg._remote = True  # what an object store gets
+        lg.open()
+    return logs
+
+
+def _add(lg: CommitLog, name: str) -> int:
+    return lg.commit([AddShard(f"l1/{name}.parquet", "l1", 2, 10, (2,), (0, 0), 0.0)])
+
+
+def _tip(calls: Counter) -> int:
+    return calls[("read_bytes", TIP)] + calls[("put_atomic", TIP)]
+
+
+def test_one_appender_racing_the_trainers_commits_never_touches_the_tip(calls):
+    """The trainer's `commit` writes no tip, so it cannot help the sampler that loses races to it.
+    Before: every lost race (one or two an append here) made the appender read and write the tip
+    for its next 16 appends."""
+    sampler, trainer = _logs("sampler", "trainer")
+    for i in range(20):
+        _add(sampler, f"s{i}")
+        for _ in range(1 + i % 2):  # one or two commits of the trainer's between two appends
+            trainer.refresh()
+            trainer.commit([MarkConsumed("trainer", i, 0, 0)], precondition=lambda st: None)
+    # a second lost race in one append reads the tip once; the tip it then finds is its own
+    assert calls[("read_bytes", TIP)] <= 10 and calls[("put_atomic", TIP)] <= 1
+    assert sampler._contended == 0
+
+
+def test_appenders_racing_each_other_share_the_tip(calls):
+    """An appender that keeps losing to another appender starts from the tip that one wrote."""
+    a, b = _logs("a", "b")
+    for i in range(3):
+        _add(a, f"a{i}")  # 1..3
+    assert _add(b, "b0") == 4  # lost 1 and 2, found no tip, then lost 3: publishes one
+    assert calls[("put_atomic", TIP)] == 1 and b._contended == 0
+    _add(b, "b1"), _add(b, "b2")  # 5, 6
+    assert _add(a, "a3") == 7  # lost 4 and 5, then starts past b's tip (4): lost 6
+    assert a._contended == log_mod._CONTENDED_APPENDS  # the tip was b's: contending with an appender
+    before = _tip(calls)
+    _add(b, "b3")  # 8: b is not contended (it has not lost twice since)
+    assert _tip(calls) == before
+    assert _add(a, "a4") == 9  # reads the tip (its own, 7) and writes 9
+    assert _tip(calls) == before + 2
+    assert a._contended == log_mod._CONTENDED_APPENDS - 1

@@ -1,0 +1,96 @@
+"""The trainer's waits for fresh groups and replay gates: how often they poll the buffer and look
+for the stop marker (every look is a request on an object store), on a fake clock."""
+
+from __future__ import annotations
+
+import pyarrow as pa
+import pytest
+
+from pipeline.trainer import loop
+from pipeline.trainer.loop import STOP_CHECK_S, TrainerStopped, wait_for_gate, wait_for_groups
+
+
+class Clock:
+    def __init__(self):
+        self.now = 1000.0
+
+    def time(self) -> float:
+        return self.now
+
+    def sleep(self, s: float) -> None:
+        self.now += s
+
+
+@pytest.fixture
+def clock(monkeypatch) -> Clock:
+    c = Clock()
+    monkeypatch.setattr(loop.time, "time", c.time)
+    monkeypatch.setattr(loop.time, "sleep", c.sleep)
+    return c
+
+
+class Run:
+    def __init__(self, clock: Clock, stop_at: float = float("inf"), gate_at: float = float("inf")):
+        self.clock, self.stop_at, self.gate_at = clock, stop_at, gate_at
+        self.stop_checks = self.gate_checks = 0
+
+    def stop_requested(self) -> bool:
+        self.stop_checks += 1
+        return self.clock.now >= self.stop_at
+
+    def has_marker(self, name: str) -> bool:
+        self.gate_checks += 1
+        return self.clock.now >= self.gate_at
+
+
+class Buffer:
+    """Empty until `at`, then one group."""
+
+    def __init__(self, clock: Clock, at: float):
+        self.clock, self.at, self.polls = clock, at, 0
+
+    def read_fresh(self, cursor, groups):
+        self.polls += 1
+        if self.clock.now < self.at:
+            return pa.table({"group_id": pa.array([], pa.string())}), cursor
+        return pa.table({"group_id": ["g0"]}), {"seq": 1, "group": 0}
+
+
+def test_a_long_wait_polls_less_and_less_often_and_picks_a_batch_up_soon(clock):
+    """60 s of waiting at poll_s=0.02: before, 3,000 buffer polls and as many stop checks."""
+    run, buf = Run(clock), Buffer(clock, at=clock.now + 60)
+    _, cursor, waited = wait_for_groups(buf, run, None, 1, poll_s=0.02, timeout_s=600)
+    assert cursor == {"seq": 1, "group": 0}
+    assert 60 <= waited <= 60 + STOP_CHECK_S
+    assert buf.polls < 150  # 2 a second once the wait is long
+    assert run.stop_checks <= 60 / STOP_CHECK_S + 1
+
+
+def test_a_short_wait_picks_a_batch_up_soon_and_does_not_look_for_the_stop_marker(clock):
+    run, buf = Run(clock), Buffer(clock, at=clock.now + 0.3)
+    _, _, waited = wait_for_groups(buf, run, None, 1, poll_s=0.02, timeout_s=600)
+    assert waited <= 0.3 * 1.25 + 1e-9 and run.stop_checks == 0
+
+
+def test_the_stop_marker_ends_a_wait_within_stop_check_s(clock):
+    t0 = clock.now
+    run = Run(clock, stop_at=t0 + 3)
+    with pytest.raises(TrainerStopped):
+        wait_for_groups(Buffer(clock, at=float("inf")), run, None, 1, poll_s=0.02, timeout_s=600)
+    assert clock.now <= t0 + 3 + 2 * STOP_CHECK_S
+
+
+def test_a_stop_before_the_timeout_is_a_stop_not_a_timeout(clock):
+    run = Run(clock, stop_at=clock.now + 0.05)  # between two looks, and the timeout comes first
+    with pytest.raises(TrainerStopped):
+        wait_for_groups(Buffer(clock, at=float("inf")), run, None, 1, poll_s=0.02, timeout_s=0.1)
+    with pytest.raises(TimeoutError, match="no fresh rollouts"):
+        wait_for_groups(Buffer(clock, at=float("inf")), Run(clock), None, 1, poll_s=0.02, timeout_s=5)
+
+
+def test_gate_waits_are_paced_the_same_way(clock):
+    run = Run(clock, gate_at=clock.now + 60)
+    assert 60 <= wait_for_gate(run, 0, poll_s=0.02, timeout_s=600) <= 60 + STOP_CHECK_S
+    assert run.gate_checks < 150 and run.stop_checks <= 60 / STOP_CHECK_S + 1
+    with pytest.raises(TimeoutError, match="replay gate 0 stayed closed"):
+        wait_for_gate(Run(clock), 0, poll_s=0.02, timeout_s=5)
