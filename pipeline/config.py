@@ -308,6 +308,13 @@ class RunConfig(_Section):
                 f"trainer.groups_per_step={self.trainer.groups_per_step} and "
                 f"sampler.prompts_per_batch={self.sampler.prompts_per_batch}: one must divide the other"
             )
+        if self.trainer.sync_every > self.sampler.max_staleness + 1:
+            raise ValueError(
+                f"trainer.sync_every={self.trainer.sync_every} and sampler.max_staleness={self.sampler.max_staleness}: "
+                "a batch may be trained at most max_staleness steps after the version that generated it, so a "
+                "version must be published at least every max_staleness + 1 steps, or the run stalls; lower "
+                "trainer.sync_every or raise sampler.max_staleness"
+            )
         return self
 
     def to_yaml(self) -> str:

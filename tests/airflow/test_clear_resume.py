@@ -31,7 +31,7 @@ CONFIG = {
     "model": {"path": "builtin:digit"},
     "data": {"train": "builtin:digit", "eval": "builtin:digit", "eval_size": 8},
     "reward": {"fn": "digit"},
-    "sampler": {"group_size": GROUP_SIZE, "prompts_per_batch": GROUPS, "poll_s": 0.05, "max_staleness": 8},
+    "sampler": {"group_size": GROUP_SIZE, "prompts_per_batch": GROUPS, "poll_s": 0.05, "max_staleness": 99},
     "trainer": {"steps": 4, "groups_per_step": GROUPS, "checkpoint_every": 2, "sync_every": 100,
                 "lr": 3e-3, "micro_batch_tokens": 64, "wait_timeout_s": 60},
 }

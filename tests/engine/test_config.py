@@ -47,6 +47,13 @@ def test_indivisible_batch_sizes_are_rejected():
         parse_config({"trainer": {"groups_per_step": 6}, "sampler": {"prompts_per_batch": 4}})
 
 
+def test_publishing_less_often_than_the_staleness_bound_allows_is_rejected():
+    # versions every 4 steps, batches at most 2 steps stale: from step 4 on no batch could be trained
+    with pytest.raises(ConfigError, match="sync_every=4 and sampler.max_staleness=2"):
+        parse_config({"trainer": {"sync_every": 4}, "sampler": {"max_staleness": 2}})
+    parse_config({"trainer": {"sync_every": 3}, "sampler": {"max_staleness": 2}})
+
+
 def test_shipped_configs_load():
     for name in ("configs/tiny-grpo.yaml", "configs/tiny-test.yaml"):
         load_config(name)
