@@ -110,6 +110,8 @@ class RunDir:
     The names of the markers processes and orchestrators exchange live here, and only here."""
 
     STOP_MARKER = "stop"
+    STOP_CHECK_S = 0.5
+    """A waiting sampler or trainer looks for the stop marker at most this often (seconds)."""
     """Written to stop the run: the sampler, the trainer and waiting sensors obey it (`request_stop`)."""
     TRAINER_DONE_MARKER = "trainer_done"
     """Written by the trainer after its last step: {"step", "replay_epochs_skipped"}."""

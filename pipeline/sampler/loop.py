@@ -38,7 +38,6 @@ from .claims import DrawClaims
 log = logging.getLogger("rlhf.sampler")
 # Fault injection for the replica tests: "sampler-2=1.5,..." makes those replicas that much slower per batch.
 DELAY_ENV = "RLHF_SAMPLER_DELAY_S"
-STOP_CHECK_S = 0.5
 
 
 def injected_delay(sampler_id: str) -> float:
@@ -209,10 +208,10 @@ class Sampler:
         self.reload_if_newer()
 
     def stopping(self) -> bool:
-        """The stop or trainer-done marker is there: looked for at most every STOP_CHECK_S (two
+        """The stop or trainer-done marker is there: looked for at most every `RunDir.STOP_CHECK_S` (two
         requests each time on object storage, and the loop asks between every two polls)."""
         now = time.time()
-        if now - self._stop_checked < STOP_CHECK_S:
+        if now - self._stop_checked < RunDir.STOP_CHECK_S:
             return False
         self._stop_checked = now
         return self.run.stop_requested() or self.run.has_marker(RunDir.TRAINER_DONE_MARKER)

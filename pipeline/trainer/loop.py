@@ -64,14 +64,11 @@ class NullMetrics:
         pass
 
 
-STOP_CHECK_S = 0.5  # a waiting trainer looks for the stop marker at most this often
-
-
 class _Wait:
     """The pace of a trainer's wait: it polls every `poll_s` at first, then every quarter of the
-    time waited so far, up to STOP_CHECK_S (a new batch is picked up at most a quarter later than
-    it would be otherwise; an idle wait costs few requests), and looks for the stop marker at most
-    every STOP_CHECK_S and before it times out."""
+    time waited so far, up to `RunDir.STOP_CHECK_S` (a new batch is picked up at most a quarter
+    later than it would be otherwise; an idle wait costs few requests), and looks for the stop
+    marker at most every `RunDir.STOP_CHECK_S` and before it times out."""
 
     def __init__(self, run: RunDir, poll_s: float, timeout_s: float):
         self.run, self.poll_s, self.timeout_s = run, poll_s, timeout_s
@@ -84,13 +81,13 @@ class _Wait:
         """Raise TrainerStopped or TimeoutError (`timeout_message()`), else sleep before the next poll."""
         now = time.time()
         waited = now - self.t0
-        if waited > self.timeout_s or now - self.stop_checked >= STOP_CHECK_S:
+        if waited > self.timeout_s or now - self.stop_checked >= RunDir.STOP_CHECK_S:
             self.stop_checked = now
             if self.run.stop_requested():
                 raise TrainerStopped()
         if waited > self.timeout_s:
             raise TimeoutError(timeout_message())
-        time.sleep(max(self.poll_s, min(waited / 4, STOP_CHECK_S)))
+        time.sleep(max(self.poll_s, min(waited / 4, RunDir.STOP_CHECK_S)))
 
 
 def wait_for_groups(buffer: ReplayBuffer, run: RunDir, cursor: dict | None, groups: int,

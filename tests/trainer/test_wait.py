@@ -6,8 +6,9 @@ from __future__ import annotations
 import pyarrow as pa
 import pytest
 
+from pipeline.rundir import RunDir
 from pipeline.trainer import loop
-from pipeline.trainer.loop import STOP_CHECK_S, TrainerStopped, wait_for_gate, wait_for_groups
+from pipeline.trainer.loop import TrainerStopped, wait_for_gate, wait_for_groups
 
 
 class Clock:
@@ -61,9 +62,9 @@ def test_a_long_wait_polls_less_and_less_often_and_picks_a_batch_up_soon(clock):
     run, buf = Run(clock), Buffer(clock, at=clock.now + 60)
     _, cursor, waited = wait_for_groups(buf, run, None, 1, poll_s=0.02, timeout_s=600)
     assert cursor == {"seq": 1, "group": 0}
-    assert 60 <= waited <= 60 + STOP_CHECK_S
+    assert 60 <= waited <= 60 + RunDir.STOP_CHECK_S
     assert buf.polls < 150  # 2 a second once the wait is long
-    assert run.stop_checks <= 60 / STOP_CHECK_S + 1
+    assert run.stop_checks <= 60 / RunDir.STOP_CHECK_S + 1
 
 
 def test_a_short_wait_picks_a_batch_up_soon_and_does_not_look_for_the_stop_marker(clock):
@@ -77,7 +78,7 @@ def test_the_stop_marker_ends_a_wait_within_stop_check_s(clock):
     run = Run(clock, stop_at=t0 + 3)
     with pytest.raises(TrainerStopped):
         wait_for_groups(Buffer(clock, at=float("inf")), run, None, 1, poll_s=0.02, timeout_s=600)
-    assert clock.now <= t0 + 3 + 2 * STOP_CHECK_S
+    assert clock.now <= t0 + 3 + 2 * RunDir.STOP_CHECK_S
 
 
 def test_a_stop_before_the_timeout_is_a_stop_not_a_timeout(clock):
@@ -90,7 +91,7 @@ def test_a_stop_before_the_timeout_is_a_stop_not_a_timeout(clock):
 
 def test_gate_waits_are_paced_the_same_way(clock):
     run = Run(clock, gate_at=clock.now + 60)
-    assert 60 <= wait_for_gate(run, 0, poll_s=0.02, timeout_s=600) <= 60 + STOP_CHECK_S
-    assert run.gate_checks < 150 and run.stop_checks <= 60 / STOP_CHECK_S + 1
+    assert 60 <= wait_for_gate(run, 0, poll_s=0.02, timeout_s=600) <= 60 + RunDir.STOP_CHECK_S
+    assert run.gate_checks < 150 and run.stop_checks <= 60 / RunDir.STOP_CHECK_S + 1
     with pytest.raises(TimeoutError, match="replay gate 0 stayed closed"):
         wait_for_gate(Run(clock), 0, poll_s=0.02, timeout_s=5)
