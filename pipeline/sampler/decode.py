@@ -8,8 +8,10 @@ generation-heavy config, 42% of the slots were finished rows). Here:
 - rows that have stopped leave the batch (their cache rows are dropped), so each step costs what
   the still-running rows need;
 - only the last position's logits are computed;
-- sampling is an exponential race (argmax of p / E with E ~ Exp(1)), which draws from p exactly
-  like `multinomial`, at a fraction of its cost on CPU.
+- full-attention cache layers write each step's keys and values into buffers sized for the whole
+  answer, instead of concatenating (a copy of the whole cache per step and layer);
+- sampling inverts the cumulative distribution with one uniform draw per row, which draws from p
+  exactly like `multinomial`, at a fraction of its cost on CPU.
 
 The behaviour log-prob of a sampled token is log softmax(logits / temperature) at that token,
 before top-p, as the backend contract says.
@@ -21,6 +23,7 @@ import inspect
 from dataclasses import dataclass
 
 import torch
+from transformers.cache_utils import DynamicLayer
 
 
 @dataclass
@@ -45,6 +48,51 @@ def _nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     return torch.zeros_like(probs).scatter_(-1, order, sorted_p)
 
 
+class _Preallocated(DynamicLayer):
+    """A full-attention cache layer whose keys and values live in buffers with room for
+    `capacity` positions: `update` writes the new positions in place and returns views."""
+
+    @classmethod
+    def adopt(cls, layer: DynamicLayer, capacity: int) -> None:
+        k, v = layer.keys, layer.values
+        layer.__class__ = cls
+        layer._k = k.new_empty(k.shape[:2] + (capacity,) + k.shape[3:])
+        layer._v = v.new_empty(v.shape[:2] + (capacity,) + v.shape[3:])
+        layer._n = 0
+        layer._put(k, v)
+
+    def _put(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        end = self._n + k.shape[-2]
+        if end > self._k.shape[-2]:  # more than planned: grow (the loop never asks for it)
+            grow = (0, 0, 0, end)
+            self._k = torch.nn.functional.pad(self._k[:, :, :self._n], grow)
+            self._v = torch.nn.functional.pad(self._v[:, :, :self._n], grow)
+        self._k[:, :, self._n:end] = k
+        self._v[:, :, self._n:end] = v
+        self._n = end
+        self.keys, self.values = self._k[:, :, :end], self._v[:, :, :end]
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        self._put(key_states, value_states)
+        return self.keys, self.values
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._k, self._v = self._k[indices], self._v[indices]
+        self.keys, self.values = self._k[:, :, :self._n], self._v[:, :, :self._n]
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._k, self._v = self._k.repeat_interleave(repeats, 0), self._v.repeat_interleave(repeats, 0)
+        self.keys, self.values = self._k[:, :, :self._n], self._v[:, :, :self._n]
+
+
+def _preallocate(cache, extra: int) -> None:
+    """Give every plain full-attention layer of `cache` room for `extra` more positions (sliding
+    window and other layer kinds keep their own update)."""
+    for layer in getattr(cache, "layers", ()):
+        if type(layer) is DynamicLayer and layer.is_initialized and layer.keys.dim() == 4:
+            _Preallocated.adopt(layer, layer.keys.shape[-2] + extra)
+
+
 def _pick(logits: torch.Tensor, temperature: float, top_p: float, greedy: bool,
           generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     """(tokens [b], their log-probs under logits / temperature [b]; zeros when greedy)."""
@@ -55,8 +103,10 @@ def _pick(logits: torch.Tensor, temperature: float, top_p: float, greedy: bool,
     probs = logp.exp()
     if top_p < 1.0:
         probs = _nucleus(probs, top_p)
-    race = torch.empty_like(probs).exponential_(generator=generator)
-    tok = (probs / race).argmax(-1)
+    cdf = probs.double().cumsum(-1)
+    u = torch.rand(cdf.shape[:-1] + (1,), dtype=torch.float64, device=cdf.device, generator=generator)
+    # right=True: the first token whose cumulative mass exceeds u * total (never a zero-mass one)
+    tok = torch.searchsorted(cdf, u * cdf[..., -1:], right=True).squeeze(-1).clamp_max(probs.shape[-1] - 1)
     return tok, logp.gather(-1, tok.unsqueeze(-1)).squeeze(-1)
 
 
@@ -77,6 +127,7 @@ def decode(model, ids: torch.Tensor, mask: torch.Tensor, *, n: int, max_new_toke
     out = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, **extra)
     cache = out["cache"] if "cache" in out else out["past_key_values"]
     logits = out.logits[:, -1]
+    _preallocate(cache, max_new_tokens)
     if n > 1:
         cache.batch_repeat_interleave(n)
         logits = logits.repeat_interleave(n, dim=0)
