@@ -14,42 +14,36 @@ Retention (`retain`): the trainer deletes old versions every few publications, i
 of requests however many go; a loader takes the newest version through `lease_latest`, which
 records a lease in `policy/leases/<holder>.json` (kept until the holder's next load or `release`),
 and no version is deleted while a lease on it is held. On object stores a reader gets a version through
-a local copy (`local_dir`, in the cache); the copies of a run are bounded too (`LOCAL_COPIES`).
+a local copy (`local_dir`; `pipeline.policy_cache`): downloaded once, or seeded by the trainer's
+publication on the same node, in which case a sampler beside it learns of the version, and loads
+it, without a request (the run directory stays the record: every version is committed there first).
 """
 
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import hashlib
 import json
 import logging
 import os
-import re
 import shutil
 import tempfile
 import time
-import uuid
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Iterable, Iterator
 
 from .model_cache import cache_dir
+from .policy_cache import REMOTE_POLL_S, VERSION_RE, LocalCopies, version_dirname
 from .rundir import RunDir
 from .storage import delete, delete_files, file_exists, is_local, list_files, list_names, put_atomic, read_bytes
 
 log = logging.getLogger("rlhf.policy")
-VERSION_RE = re.compile(r"^v(\d{6,})$")
 LEASES = "leases"
 LEASE_TTL_S = 3600.0
 """A lease older than this is ignored (its holder died while loading): it pins a version for at most this long."""
 LEASE_ATTEMPTS = 5
-LOCAL_COPIES = 2
-"""Local copies of a remote run's versions kept in the cache besides v0: the newest ones."""
-
-
-def version_dirname(version: int) -> str:
-    return f"v{version:06d}"
+SHARED, SHARED_DIR = "shared", "files"
+"""Manifest key and folder (under policy/) of the files in-phase versions share on object stores."""
 
 
 @dataclass(frozen=True)
@@ -72,6 +66,12 @@ class PolicyStore:
     def __init__(self, run: RunDir):
         self.run = run
         self.fs = run.fs
+        self._local: LocalCopies | None = None
+        self._polled = float("-inf")  # when latest.json was last read while a local publisher seeds
+        self._new_above: int | None = None  # publisher: no version folder above this was there at its start
+        self._hinted: int | None = None  # publisher: the version its last latest.json named
+        self._stored: set[str] = set()  # publisher: shared files known to be in policy/files/
+        self._leased: set[str] = set()  # holders whose lease this store wrote and did not remove
 
     def _dir(self, version: int) -> str:
         return self.run.path("policy", version_dirname(version))
@@ -95,34 +95,75 @@ class PolicyStore:
         path): a Hugging Face folder, or any layout it reads (a trainer checkpoint, tp:N), on local
         disk or any fsspec URL; `meta` adds keys to the manifest. Idempotent: returns False if the
         version was already committed (a retried task)."""
-        return not self.exists(version) and self._publish(version, source_url, meta)
+        return not self.exists(version) and self._publish(version, source_url, meta) is not None
 
-    def _publish(self, version: int, source_url: str, meta: dict | None) -> bool:
-        """Publish `version`, which the caller has just seen uncommitted."""
+    def _publish(self, version: int, source_url: str, meta: dict | None) -> dict | None:
+        """Publish `version`, which the caller has just seen uncommitted; its manifest if this
+        call committed it."""
         from .reshard import publish
 
-        _, committed = publish(source_url, self.url(version), "hf", policy_version=version, extra=meta, known_new=True)
-        if committed:
-            hint = self._hint()  # not latest(): that would see this version past the hint and list them all
-            if hint is None or version >= hint:
-                put_atomic(self.fs, self.run.path("policy", "latest.json"), json.dumps({"version": version}).encode())
-        return committed
+        manifest, committed = publish(source_url, self.url(version), "hf", policy_version=version, extra=meta,
+                                      known_new=True)
+        if not committed:
+            return None
+        # The hint this store wrote last is newer than any other's unless it is below `version`
+        # (not latest(): that would see this version past the hint and list them all).
+        hint = self._hinted if self._hinted is not None and version > self._hinted else self._hint()
+        if hint is None or version >= hint:
+            put_atomic(self.fs, self.run.path("policy", "latest.json"), json.dumps({"version": version}).encode())
+            self._hinted = version
+        return manifest
 
     def publish_model(self, version: int, model, tokenizer, meta: dict | None = None,
                       weights: dict | None = None) -> bool:
         """Publish in-memory weights (the trainer's in-phase path): `weights` ({hf name: tensor},
         e.g. gathered from FSDP2 shards) or else the model's own state dict, with its config,
-        generation config and `tokenizer`. Idempotent like `publish_folder`."""
-        if self.exists(version):
+        generation config and `tokenizer`. Idempotent like `publish_folder`: the first call of a
+        store lists the version folders once; a later version above them all is new without a
+        request. On object stores the store also seeds this node's local copy."""
+        if self._new_above is None:
+            self._new_above = max(self._folders(), default=-1)
+        if version <= self._new_above and self.exists(version):
             return False
         from .weights import write_hf_folder
 
         with tempfile.TemporaryDirectory(prefix="policy-") as tmp:
-            folder = os.path.join(tmp, "model")
+            folder, aside = os.path.join(tmp, "model"), os.path.join(tmp, "shared")
             write_hf_folder(folder, config=model.config, tokenizer=tokenizer,
                             generation_config=getattr(model, "generation_config", None),
                             weights=model.state_dict() if weights is None else weights)
-            return self._publish(version, folder, meta)  # checked above
+            remote = not is_local(self.fs)
+            shared = self._share(folder, aside) if remote else {}
+            manifest = self._publish(version, folder, {**(meta or {}), SHARED: shared} if shared else meta)
+            if manifest is not None and remote:
+                self._seed(version, folder, meta, manifest, aside)
+            return manifest is not None
+
+    def _share(self, folder: str, aside: str) -> dict:
+        """Move the files of `folder` that are neither weights nor its config to `aside`, each
+        stored once per content in `policy/files/` (uploaded the first time this store meets it);
+        their manifest entries ({name: {bytes, checksum, path}}). In-phase versions on object
+        stores list them under `shared`: a tokenizer is not uploaded again with every version."""
+        from .reshard.files import CHECKSUM, new_checksum
+        from .reshard.layout import is_weight_file
+
+        os.makedirs(aside)
+        out = {}
+        for name in sorted(os.listdir(folder)):
+            path = os.path.join(folder, name)
+            if name == "config.json" or is_weight_file(name) or not os.path.isfile(path):
+                continue
+            with open(path, "rb") as f:
+                data = f.read()
+            h = new_checksum()
+            h.update(data)
+            rel = f"{SHARED_DIR}/{h.hexdigest()}-{name}"
+            if rel not in self._stored and not file_exists(self.fs, self.run.path("policy", rel)):
+                put_atomic(self.fs, self.run.path("policy", rel), data)
+            self._stored.add(rel)
+            os.rename(path, os.path.join(aside, name))
+            out[name] = {"bytes": len(data), CHECKSUM: h.hexdigest(), "path": rel}
+        return out
 
     def publish_checkpoint(self, version: int, checkpoint_url: str) -> PolicyPublication:
         """Publish the trainer checkpoint at `checkpoint_url` as `version` and verify every file of
@@ -151,7 +192,16 @@ class PolicyStore:
     def published_after(self, version: int) -> int | None:
         """The version `latest.json` names if newer than `version` (else None): one read, for a
         loader's poll. A hint that lags (its publisher stopped between the manifest and the hint)
-        shows the version with the next publication."""
+        shows the version with the next publication. On object stores a newer local copy (seeded
+        by a publisher on this node) answers first; while such a publisher is active,
+        `latest.json` is read at most every REMOTE_POLL_S."""
+        if not is_local(self.fs):
+            local, fresh = self._copies().newest()
+            if local is not None and local > version:
+                return local
+            if fresh and time.monotonic() - self._polled < REMOTE_POLL_S:
+                return None
+            self._polled = time.monotonic()
         hint = self._hint()
         return hint if hint is not None and hint > version else None
 
@@ -179,14 +229,26 @@ class PolicyStore:
 
         The lease is written before the manifest is read. `retain` removes a manifest before it
         reads the leases, so either it sees this lease and keeps the files, or the manifest was
-        already gone when read here, and the newest version is taken again."""
+        already gone when read here, and the newest version is taken again. A version with a
+        local copy on this node needs no lease (nothing is read from the run directory): the
+        holder's lease is removed instead, once."""
         lease = self._lease(holder)
         for attempt in range(LEASE_ATTEMPTS):
             if attempt or version is None:
                 version = self.latest()
             if version is None:
                 raise FileNotFoundError(f"{self.run.url}: no policy version is published")
+            have = None if is_local(self.fs) else self._copies().get(version)
+            if have is not None:
+                with self._pinned(have) as pinned:
+                    if pinned:
+                        if holder in self._leased:
+                            self.release(holder)
+                        yield PolicyLease(version, have)
+                        return
+                continue
             put_atomic(self.fs, lease, json.dumps({"version": version, "time": time.time()}).encode(), fsync=False)
+            self._leased.add(holder)
             try:
                 folder = self.local_dir(version)
             except FileNotFoundError:
@@ -202,6 +264,7 @@ class PolicyStore:
     def release(self, holder: str) -> None:
         """Remove `holder`'s lease (it no longer runs a version of this run)."""
         delete(self.fs, self._lease(holder))
+        self._leased.discard(holder)
 
     def _lease(self, holder: str) -> str:
         return self.run.path("policy", LEASES, f"{holder}.json")
@@ -258,106 +321,61 @@ class PolicyStore:
         return deleted
 
     # local copies -----------------------------------------------------------------------------
-    def _cache(self) -> Path:
-        return cache_dir() / "policies" / f"{self.run.run_id}-{hashlib.sha256(self.run.url.encode()).hexdigest()[:8]}"
+    def _copies(self) -> LocalCopies:
+        """This node's copies of the run's versions (see pipeline.policy_cache)."""
+        if self._local is None:
+            try:  # the run's preparation time: a run prepared again at this URL gets new copies
+                born = str(json.loads(read_bytes(self.fs, self.run.path("prepare.json"))).get("time", ""))
+            except (FileNotFoundError, ValueError):
+                born = ""
+            key = hashlib.sha256(f"{self.run.url}|{born}".encode()).hexdigest()[:8]
+            self._local = LocalCopies(cache_dir() / "policies" / f"{self.run.run_id}-{key}")
+        return self._local
 
     def local_dir(self, version: int) -> str:
         """A local folder with the committed files of `version` (the folder itself on local disk;
-        on object stores a copy in the cache, which keeps v0 and the newest LOCAL_COPIES)."""
+        on object stores this node's copy, downloaded once or seeded by its publisher)."""
+        if is_local(self.fs):
+            if not self.exists(version):
+                raise FileNotFoundError(f"policy version {version} is not published in {self.run.url}")
+            return self._dir(version)
+        copies = self._copies()
+        have = copies.get(version)  # only ever made from a committed manifest
+        if have is not None:
+            return have
         manifest = self.manifest(version)
         if manifest is None:
             raise FileNotFoundError(f"policy version {version} is not published in {self.run.url}")
-        if is_local(self.fs):
-            return self._dir(version)
-        dst = self._cache() / version_dirname(version)
-        if not (dst / "manifest.json").exists():
-            dst.parent.mkdir(parents=True, exist_ok=True)
-            tmp = tempfile.mkdtemp(prefix=".dl-", dir=dst.parent)
-            try:
-                prev, prev_files = _newest_copy(dst.parent, below=version)
-                for name, entry in manifest["files"].items():
-                    target = os.path.join(tmp, name)
-                    os.makedirs(os.path.dirname(target), exist_ok=True)
-                    # same size and checksum as in that copy: unchanged (unless the copy was pruned meanwhile)
-                    if not (prev_files.get(name) == entry and _link_or_copy(os.path.join(prev, name), target)):
-                        self.fs.get_file(f"{self._dir(version)}/{name}", target)
-                with open(os.path.join(tmp, "manifest.json"), "w") as f:
-                    json.dump(manifest, f)
-                os.rename(tmp, dst)
-            except OSError:
-                shutil.rmtree(tmp, ignore_errors=True)
-                if not (dst / "manifest.json").exists():  # not a concurrent download that got there first
-                    raise
-            _prune_copies(dst.parent, keep={0, version})
-        return str(dst)
+        src, shared = self._dir(version), manifest.get(SHARED, {})
+
+        def fetch(name: str, target: str) -> None:
+            self.fs.get_file(self.run.path("policy", shared[name]["path"]) if name in shared else f"{src}/{name}", target)
+
+        return copies.download(version, manifest, fetch)
+
+    def _seed(self, version: int, folder: str, meta: dict | None, manifest: dict, aside: str) -> None:
+        """Place this node's copy of `version`, just committed from the local `folder` (and its
+        shared files in `aside`): the same publication into a local folder, kept if it lists the
+        same files as `manifest`."""
+        from .reshard import ReshardError, publish
+
+        def build(out: str) -> dict:
+            written = publish(folder, out, "hf", policy_version=version, extra=meta, known_new=True)[0]
+            for name in os.listdir(aside):
+                shutil.copyfile(os.path.join(aside, name), os.path.join(out, name))
+            return written
+
+        try:
+            if not self._copies().seed(version, manifest, build):
+                log.debug("policy v%d: no local copy seeded", version)
+        except (OSError, ReshardError) as e:  # the samplers here download it instead
+            log.warning("policy v%d: seeding the local copy failed (%s)", version, e)
 
     @contextlib.contextmanager
     def _pinned(self, folder: str) -> Iterator[bool]:
-        """Hold a cached copy against pruning (a shared lock); False if it was pruned meanwhile."""
+        """Hold a local copy against pruning; False if it was pruned meanwhile."""
         if is_local(self.fs):
             yield True
             return
-        try:
-            fd = os.open(folder, os.O_RDONLY)
-        except FileNotFoundError:
-            yield False
-            return
-        try:
-            fcntl.flock(fd, fcntl.LOCK_SH)
-            try:
-                same = os.stat(folder).st_ino == os.fstat(fd).st_ino and os.path.exists(f"{folder}/manifest.json")
-            except FileNotFoundError:
-                same = False
-            yield same
-        finally:
-            os.close(fd)
-
-
-def _newest_copy(parent: Path, below: int) -> tuple[str | None, dict]:
-    """The newest complete cached copy of a version below `below` and its manifest's files: a
-    download takes the files that did not change from there (a tokenizer, a config) instead of
-    fetching them again."""
-    copies = sorted((int(m.group(1)) for m in (VERSION_RE.match(p.name) for p in parent.iterdir()) if m), reverse=True)
-    for v in copies:
-        if v < below:
-            folder = parent / version_dirname(v)
-            try:
-                return str(folder), json.loads((folder / "manifest.json").read_text()).get("files", {})
-            except (FileNotFoundError, ValueError):
-                continue
-    return None, {}
-
-
-def _link_or_copy(src: str, dst: str) -> bool:
-    try:
-        os.link(src, dst)
-    except OSError:
-        try:
-            shutil.copyfile(src, dst)
-        except OSError:
-            return False
-    return True
-
-
-def _prune_copies(parent: Path, keep: set[int]) -> None:
-    """Delete the cached copies of a run except `keep` and the newest LOCAL_COPIES; a copy a
-    reader holds (`_pinned`) is skipped."""
-    copies = sorted(int(m.group(1)) for m in (VERSION_RE.match(p.name) for p in parent.iterdir()) if m)
-    keep = keep | set(copies[-LOCAL_COPIES:])
-    for v in copies:
-        if v in keep:
-            continue
-        path = parent / version_dirname(v)
-        try:
-            fd = os.open(path, os.O_RDONLY)
-        except FileNotFoundError:
-            continue
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            trash = parent / f".trash-{uuid.uuid4().hex}"
-            os.rename(path, trash)  # readers see it gone at once, not half deleted
-            shutil.rmtree(trash, ignore_errors=True)
-        except (BlockingIOError, FileNotFoundError):
-            pass
-        finally:
-            os.close(fd)
+        with LocalCopies.pinned(folder) as pinned:
+            yield pinned

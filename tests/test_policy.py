@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.policy import LOCAL_COPIES, PolicyStore, version_dirname
+from pipeline.policy import PolicyStore, version_dirname
+from pipeline.policy_cache import LOCAL_COPIES
 from pipeline.rundir import RunDir
 from pipeline.weights import load_state_dict
 
@@ -99,7 +100,7 @@ def test_local_copies_of_a_remote_run_stay_bounded_and_a_held_copy_is_kept(model
     store = _store(f"memory://policy-test-{uuid.uuid4().hex}/run-1")
     store.publish_folder(0, model_dir)
     store.local_dir(0)
-    cache = store._cache()
+    cache = store._copies().root
     for v in range(1, 6):
         store.publish_folder(v, model_dir)
         store.local_dir(v)
@@ -156,3 +157,126 @@ def test_retention_on_s3_costs_the_same_few_requests_however_many_versions_go(mo
         assert calls["delete_objects"] == 2
         mp.undo()
         assert store.versions() == [0, 6, 7] and len(_folders(store)) == 3
+
+
+class _Counting:
+    """Counts the run directory's reads of `store` by kind (memory:// has no request log)."""
+
+    def __init__(self, store: PolicyStore, mp):
+        self.calls: Counter = Counter()
+        fs = store.fs
+        for name in ("cat_file", "get_file", "exists", "info", "ls", "pipe_file", "put_file", "rm_file"):
+            real = getattr(fs, name)
+            mp.setattr(fs, name, self._wrap(name, real))
+
+    def _wrap(self, name, real):
+        def call(*a, **kw):
+            self.calls[name] += 1
+            return real(*a, **kw)
+        return call
+
+
+def _publish_model(store: PolicyStore, model_dir: str, version: int) -> bool:
+    from pipeline.models import load_model, load_tokenizer
+
+    return store.publish_model(version, load_model(model_dir, "float32"), load_tokenizer(model_dir), {"step": version})
+
+
+def test_a_publisher_seeds_this_nodes_copy_and_a_sampler_beside_it_loads_it_without_requests(model_dir):
+    url = f"memory://policy-test-{uuid.uuid4().hex}/run-1"
+    publisher = _store(url)
+    publisher.publish_folder(0, model_dir)
+    sampler = _store(url)
+    with sampler.lease_latest("sampler-0") as lease:  # v0 came from prepare: downloaded, under a lease
+        assert lease.version == 0
+    assert sampler.leased() == {0}
+    assert _publish_model(publisher, model_dir, 1)
+    copy = sampler._copies().get(1)
+    assert copy is not None and os.path.exists(os.path.join(copy, ".seeded"))
+    assert json.load(open(os.path.join(copy, "manifest.json"))) == publisher.manifest(1)
+    with pytest.MonkeyPatch.context() as mp:
+        counting = _Counting(sampler, mp)
+        assert sampler.published_after(0) == 1
+        with sampler.lease_latest("sampler-0", 1) as lease:
+            assert lease.version == 1 and lease.path == copy
+            assert load_state_dict(lease.path)
+        assert sampler.published_after(1) is None  # reads latest.json once
+        assert sampler.published_after(1) is None  # then, a local publisher being active, not again
+    assert counting.calls == Counter(cat_file=1, rm_file=1), counting.calls  # the hint; the v0 lease removed
+    assert sampler.leased() == set()
+    assert publisher.verify(1).files == len(publisher.manifest(1)["files"])
+
+
+def test_a_version_published_elsewhere_is_still_seen_while_a_local_seed_is_fresh(model_dir, monkeypatch):
+    url = f"memory://policy-test-{uuid.uuid4().hex}/run-1"
+    publisher = _store(url)
+    publisher.publish_folder(0, model_dir)
+    assert _publish_model(publisher, model_dir, 1)
+    sampler = _store(url)
+    assert sampler.published_after(1) is None
+    publisher.publish_folder(2, model_dir)  # no local copy: as if published on another node
+    assert sampler.published_after(1) is None  # within REMOTE_POLL_S of the last read
+    monkeypatch.setattr("pipeline.policy.REMOTE_POLL_S", 0.0)
+    assert sampler.published_after(1) == 2
+    with sampler.lease_latest("sampler-0", 2) as lease:  # downloaded, under a lease
+        assert lease.version == 2 and load_state_dict(lease.path)
+    assert sampler.leased() == {2}
+
+
+def test_a_run_prepared_again_at_the_same_url_does_not_read_the_old_runs_copies(model_dir):
+    url = f"memory://policy-test-{uuid.uuid4().hex}/run-1"
+    first = _store(url)
+    first.run.write_json("prepare.json", {"time": 1.0})
+    first.publish_folder(0, model_dir)
+    assert _publish_model(first, model_dir, 1) and first._copies().get(1)
+    first.run.fs.rm(first.run.path(""), recursive=True)
+    again = _store(url)
+    again.run.write_json("prepare.json", {"time": 2.0})
+    again.publish_folder(0, model_dir)
+    assert again._copies().root != first._copies().root
+    assert again._copies().get(1) is None and again.published_after(0) is None
+
+
+def test_a_publisher_checks_for_an_existing_version_only_below_what_was_there_when_it_started(model_dir):
+    url = f"memory://policy-test-{uuid.uuid4().hex}/run-1"
+    before = _store(url)
+    before.publish_folder(0, model_dir)
+    assert _publish_model(before, model_dir, 1) and _publish_model(before, model_dir, 2)
+    resumed = _store(url)  # a trainer resumed below what its last attempt published
+    assert not _publish_model(resumed, model_dir, 2)  # already there: nothing rewritten
+    calls: Counter = Counter()
+    with pytest.MonkeyPatch.context() as mp:
+        for name in ("exists", "_hint"):
+            real = getattr(PolicyStore, name)
+            mp.setattr(PolicyStore, name, lambda self, *a, _n=name, _r=real: calls.update([_n]) or _r(self, *a))
+        assert _publish_model(resumed, model_dir, 3) and _publish_model(resumed, model_dir, 4)
+    assert calls == Counter(_hint=1), calls  # new versions: not checked; the hint read once, then known
+    assert resumed.latest() == 4 and resumed._hint() == 4
+
+
+def test_in_phase_versions_on_object_stores_share_their_tokenizer_and_downloads_restore_it(model_dir):
+    import shutil
+
+    url = f"memory://policy-test-{uuid.uuid4().hex}/run-1"
+    publisher = _store(url)
+    publisher.publish_folder(0, model_dir)
+    assert _publish_model(publisher, model_dir, 1)
+    puts: list[str] = []
+    with pytest.MonkeyPatch.context() as mp:
+        real = publisher.fs.pipe_file
+        mp.setattr(publisher.fs, "pipe_file", lambda path, *a, **kw: puts.append(path) or real(path, *a, **kw))
+        assert _publish_model(publisher, model_dir, 2)
+    assert any(p.endswith("latest.json") for p in puts)
+    assert not [p for p in puts if "/files/" in p]  # the shared files went up once, with v1
+    m = publisher.manifest(2)
+    assert {"tokenizer.json", "tokenizer_config.json"} <= set(m["shared"]) and "tokenizer.json" not in m["files"]
+    own = {n.rstrip("/").rsplit("/", 1)[-1] for n in publisher.fs.ls(publisher._dir(2), detail=False)}
+    assert own == {"manifest.json", "config.json", "model.safetensors"}
+    shutil.rmtree(publisher._copies().root)  # a sampler on another node: no seeded copy
+    elsewhere = _store(url)
+    path = elsewhere.local_dir(2)
+    assert set(m["shared"]) | set(m["files"]) <= set(os.listdir(path))
+    from pipeline.models import load_tokenizer
+
+    assert load_tokenizer(path)("digits 1 2 :")["input_ids"] == load_tokenizer(model_dir)("digits 1 2 :")["input_ids"]
+    assert publisher.verify(2).files == len(m["files"])

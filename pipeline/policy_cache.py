@@ -1,0 +1,195 @@
+"""Node-local copies of a remote run's policy versions (`PolicyStore` on object stores).
+
+A reader loads a version of a remote run from a local folder: `cache/policies/<run>/v<K>/` with
+the files of the version's manifest and that manifest, renamed into place whole, so a copy that
+has `manifest.json` is complete and was committed in the run directory. Two ways in:
+
+- a download (`PolicyStore.local_dir`): the files that did not change since the newest copy
+  below (a tokenizer, a config) are linked from it, the others fetched;
+- a seed: the publisher of a version on the same node writes the copy itself, right after its
+  commit, so a sampler beside it loads the version without a request. Seeds carry a `.seeded`
+  file; while one is recent (`FRESH_SEED_S`), readers learn of new versions from this folder and
+  look at the run's `latest.json` at most every `REMOTE_POLL_S` (a publisher elsewhere, or
+  restarted elsewhere, is still seen).
+
+The folder of a run is named after the run's id, a hash of its URL and the time it was prepared,
+so a run prepared again at the same URL never reads the copies of the one before. Copies are
+bounded (v0 and the newest `LOCAL_COPIES`); a copy a reader holds (`pinned`) is not pruned.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import re
+import shutil
+import tempfile
+import time
+import uuid
+from pathlib import Path
+from typing import Callable, Iterator
+
+VERSION_RE = re.compile(r"^v(\d{6,})$")
+LOCAL_COPIES = 2
+"""Local copies of a remote run's versions kept besides v0: the newest ones."""
+SEEDED = ".seeded"
+FRESH_SEED_S = 60.0
+"""A seed younger than this means the run's publisher is on this node."""
+REMOTE_POLL_S = 1.0
+"""While a fresh seed is there, the run's `latest.json` is read at most this often."""
+
+
+def version_dirname(version: int) -> str:
+    return f"v{version:06d}"
+
+
+class LocalCopies:
+    def __init__(self, root: Path):
+        self.root = root
+
+    def folder(self, version: int) -> Path:
+        return self.root / version_dirname(version)
+
+    def get(self, version: int) -> str | None:
+        """The complete copy of `version`, if there is one."""
+        folder = self.folder(version)
+        return str(folder) if (folder / "manifest.json").exists() else None
+
+    def _versions(self) -> list[int]:
+        try:
+            names = os.listdir(self.root)
+        except FileNotFoundError:
+            return []
+        return sorted(int(m.group(1)) for m in map(VERSION_RE.match, names) if m)
+
+    def newest(self) -> tuple[int | None, bool]:
+        """(the newest complete copy, whether a fresh seed is there: the publisher is on this node)."""
+        for v in reversed(self._versions()):
+            folder = self.folder(v)
+            if (folder / "manifest.json").exists():
+                try:
+                    fresh = time.time() - (folder / SEEDED).stat().st_mtime < FRESH_SEED_S
+                except FileNotFoundError:
+                    fresh = False
+                return v, fresh
+        return None, False
+
+    def _newest_below(self, below: int) -> tuple[str | None, dict]:
+        for v in reversed(self._versions()):
+            if v < below:
+                folder = self.folder(v)
+                try:
+                    return str(folder), all_files(json.loads((folder / "manifest.json").read_text()))
+                except (FileNotFoundError, ValueError):
+                    continue
+        return None, {}
+
+    def download(self, version: int, manifest: dict, fetch: Callable[[str, str], None]) -> str:
+        """The copy of `version`, made from `manifest` with `fetch(name, local path)` for each file
+        that is not the same in the newest copy below."""
+        dst = self.folder(version)
+        if not (dst / "manifest.json").exists():
+            self.root.mkdir(parents=True, exist_ok=True)
+            tmp = tempfile.mkdtemp(prefix=".dl-", dir=self.root)
+            try:
+                prev, prev_files = self._newest_below(version)
+                for name, entry in all_files(manifest).items():
+                    target = os.path.join(tmp, name)
+                    os.makedirs(os.path.dirname(target), exist_ok=True)
+                    # same size and checksum as in that copy: unchanged (unless the copy was pruned meanwhile)
+                    if not (prev_files.get(name) == entry and _link_or_copy(os.path.join(prev, name), target)):
+                        fetch(name, target)
+                self._place(tmp, manifest, dst)
+            except OSError:
+                shutil.rmtree(tmp, ignore_errors=True)
+                if not (dst / "manifest.json").exists():  # not a concurrent download that got there first
+                    raise
+            self.prune(keep={0, version})
+        return str(dst)
+
+    def seed(self, version: int, manifest: dict, build: Callable[[str], dict]) -> bool:
+        """Place the publisher's own copy of `version`, just committed with `manifest`:
+        `build(folder)` writes the version's files there and returns their manifest, which must
+        list the same files (else nothing is placed). False if nothing was placed."""
+        dst = self.folder(version)
+        if (dst / "manifest.json").exists():
+            return False
+        self.root.mkdir(parents=True, exist_ok=True)
+        tmp = tempfile.mkdtemp(prefix=".seed-", dir=self.root)
+        try:
+            if build(os.path.join(tmp, "out")).get("files") != manifest.get("files"):
+                return False
+            Path(tmp, "out", SEEDED).touch()
+            self._place(os.path.join(tmp, "out"), manifest, dst)
+        except OSError:
+            return False
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        self.prune(keep={0, version})
+        return True
+
+    @staticmethod
+    def _place(folder: str, manifest: dict, dst: Path) -> None:
+        with open(os.path.join(folder, "manifest.json"), "w") as f:
+            json.dump(manifest, f)
+        os.rename(folder, dst)
+
+    def prune(self, keep: set[int]) -> None:
+        """Delete the copies except `keep` and the newest LOCAL_COPIES; a held copy is skipped."""
+        copies = self._versions()
+        keep = keep | set(copies[-LOCAL_COPIES:])
+        for v in copies:
+            if v in keep:
+                continue
+            path = self.folder(v)
+            try:
+                fd = os.open(path, os.O_RDONLY)
+            except FileNotFoundError:
+                continue
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                trash = self.root / f".trash-{uuid.uuid4().hex}"
+                os.rename(path, trash)  # readers see it gone at once, not half deleted
+                shutil.rmtree(trash, ignore_errors=True)
+            except (BlockingIOError, FileNotFoundError):
+                pass
+            finally:
+                os.close(fd)
+
+    @staticmethod
+    @contextlib.contextmanager
+    def pinned(folder: str) -> Iterator[bool]:
+        """Hold a copy against pruning (a shared lock); False if it was pruned meanwhile."""
+        try:
+            fd = os.open(folder, os.O_RDONLY)
+        except FileNotFoundError:
+            yield False
+            return
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH)
+            try:
+                same = os.stat(folder).st_ino == os.fstat(fd).st_ino and os.path.exists(f"{folder}/manifest.json")
+            except FileNotFoundError:
+                same = False
+            yield same
+        finally:
+            os.close(fd)
+
+
+def all_files(manifest: dict) -> dict:
+    """Every file of a version's folder: its own (`files`) and those it shares with other
+    versions (`shared`, stored once in the run directory's `policy/files/`)."""
+    return {**manifest.get("files", {}), **manifest.get("shared", {})}
+
+
+def _link_or_copy(src: str, dst: str) -> bool:
+    try:
+        os.link(src, dst)
+    except OSError:
+        try:
+            shutil.copyfile(src, dst)
+        except OSError:
+            return False
+    return True
