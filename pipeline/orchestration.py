@@ -102,7 +102,9 @@ def prepare(cfg: RunConfig, run_url: str | None = None, runs_root: str = DEFAULT
         from .model_cache import localize
 
         store.publish_folder(0, localize(src["model"]), {"step": 0, "source": src["model"]})
-    run.write_json("prepare.json", {"sources": src, "time": time.time()})
+    now = time.time()  # `created` stays the first preparation's: it names this run's local policy copies
+    created = (run.read_json("prepare.json") or {}).get("created") or now
+    run.write_json("prepare.json", {"sources": src, "time": now, "created": created})
     return run
 
 

@@ -324,9 +324,9 @@ class PolicyStore:
     def _copies(self) -> LocalCopies:
         """This node's copies of the run's versions (see pipeline.policy_cache)."""
         if self._local is None:
-            try:  # the run's preparation time: a run prepared again at this URL gets new copies
-                born = str(json.loads(read_bytes(self.fs, self.run.path("prepare.json"))).get("time", ""))
-            except (FileNotFoundError, ValueError):
+            try:  # when the run was first prepared: a new run at this URL gets new copies, a resumed one its own
+                born = str(json.loads(read_bytes(self.fs, self.run.path("prepare.json"))).get("created", ""))
+            except (FileNotFoundError, ValueError, AttributeError):
                 born = ""
             key = hashlib.sha256(f"{self.run.url}|{born}".encode()).hexdigest()[:8]
             self._local = LocalCopies(cache_dir() / "policies" / f"{self.run.run_id}-{key}")

@@ -12,8 +12,9 @@ has `manifest.json` is complete and was committed in the run directory. Two ways
   look at the run's `latest.json` at most every `REMOTE_POLL_S` (a publisher elsewhere, or
   restarted elsewhere, is still seen).
 
-The folder of a run is named after the run's id, a hash of its URL and the time it was prepared,
-so a run prepared again at the same URL never reads the copies of the one before. Copies are
+The folder of a run is named after the run's id, a hash of its URL and the time it was first
+prepared (`prepare.json`'s `created`), so a new run at the same URL never reads the copies of the
+one before, and a resumed run keeps its own. Copies are
 bounded (v0 and the newest `LOCAL_COPIES`); a copy a reader holds (`pinned`) is not pruned.
 """
 

@@ -226,12 +226,12 @@ def test_a_version_published_elsewhere_is_still_seen_while_a_local_seed_is_fresh
 def test_a_run_prepared_again_at_the_same_url_does_not_read_the_old_runs_copies(model_dir):
     url = f"memory://policy-test-{uuid.uuid4().hex}/run-1"
     first = _store(url)
-    first.run.write_json("prepare.json", {"time": 1.0})
+    first.run.write_json("prepare.json", {"time": 1.0, "created": 1.0})
     first.publish_folder(0, model_dir)
     assert _publish_model(first, model_dir, 1) and first._copies().get(1)
     first.run.fs.rm(first.run.path(""), recursive=True)
     again = _store(url)
-    again.run.write_json("prepare.json", {"time": 2.0})
+    again.run.write_json("prepare.json", {"time": 2.0, "created": 2.0})
     again.publish_folder(0, model_dir)
     assert again._copies().root != first._copies().root
     assert again._copies().get(1) is None and again.published_after(0) is None

@@ -129,3 +129,10 @@ def test_stop_after_trainer_names_the_attempt_of_an_unfinished_trainer_and_is_fi
     finished.set_marker(RunDir.TRAINER_DONE_MARKER, {"step": 4})
     stop = orchestration.stop_after_trainer(finished, by="runner", attempt=4)
     assert (stop["reason"], stop["attempt"]) == ("trainer finished", None)
+
+
+def test_a_repeated_prepare_keeps_the_time_the_run_was_first_prepared(run):
+    first = run.read_json("prepare.json")
+    assert first["created"] == first["time"]
+    again = orchestration.prepare(parse_config(CONFIG), run_url=run.url)
+    assert again.read_json("prepare.json")["created"] == first["created"]
