@@ -9,7 +9,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 
+import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import torch
 
 
@@ -59,31 +61,42 @@ class TrainBatch:
 
 def collate(table: pa.Table, pad_id: int, sample_weight=None) -> TrainBatch:
     """Arrow rows (the rollout schema) -> TrainBatch; `sample_weight` [num_rows] or None (all 1)."""
-    cols = table.select(["prompt_token_ids", "response_token_ids", "behavior_logprobs", "reward",
-                         "group_id", "policy_version"]).to_pydict()
     n = table.num_rows
-    lengths = [len(p) + len(r) for p, r in zip(cols["prompt_token_ids"], cols["response_token_ids"])]
-    width = max(lengths)
-    ids = torch.full((n, width), pad_id, dtype=torch.long)
-    attn = torch.zeros((n, width), dtype=torch.long)
-    mask = torch.zeros((n, width), dtype=torch.float32)
-    blp = torch.zeros((n, width), dtype=torch.float32)
-    for i, (p, r, lp) in enumerate(zip(cols["prompt_token_ids"], cols["response_token_ids"], cols["behavior_logprobs"])):
-        if len(lp) != len(r):
-            raise ValueError(f"row {i}: {len(r)} response tokens but {len(lp)} behaviour log-probs")
-        ids[i, : len(p) + len(r)] = torch.tensor(p + r)
-        attn[i, : len(p) + len(r)] = 1
-        mask[i, len(p): len(p) + len(r)] = 1
-        blp[i, len(p): len(p) + len(r)] = torch.tensor(lp)
-    gid = {g: k for k, g in enumerate(dict.fromkeys(cols["group_id"]))}
+    cols = {c: table.column(c).combine_chunks() for c in ("prompt_token_ids", "response_token_ids", "behavior_logprobs")}
+    p_len, r_len, lp_len = (pc.list_value_length(cols[c]).to_numpy(zero_copy_only=False).astype(np.int64)
+                            for c in ("prompt_token_ids", "response_token_ids", "behavior_logprobs"))
+    bad = np.nonzero(lp_len != r_len)[0]
+    if bad.size:
+        i = int(bad[0])
+        raise ValueError(f"row {i}: {r_len[i]} response tokens but {lp_len[i]} behaviour log-probs")
+    lengths = p_len + r_len
+    width = int(lengths.max()) if n else 0
+    cols_idx = np.arange(width)
+    in_row = cols_idx[None, :] < lengths[:, None]
+    in_resp = in_row & (cols_idx[None, :] >= p_len[:, None])
+    ids = np.full((n, width), pad_id, dtype=np.int64)
+    # each row: its prompt tokens then its response tokens, as laid out by the masks in row-major order
+    prompt_pos = in_row & ~in_resp
+    ids[prompt_pos] = _flat(cols["prompt_token_ids"], np.int64)
+    ids[in_resp] = _flat(cols["response_token_ids"], np.int64)
+    blp = np.zeros((n, width), dtype=np.float32)
+    blp[in_resp] = _flat(cols["behavior_logprobs"], np.float32)
+    groups = table.column("group_id").to_pylist()
+    gid = {g: k for k, g in enumerate(dict.fromkeys(groups))}
     w = torch.ones(n) if sample_weight is None else torch.as_tensor(sample_weight, dtype=torch.float32).reshape(n)
     return TrainBatch(
-        input_ids=ids, attention_mask=attn, mask=mask, behavior_logprobs=blp,
-        rewards=torch.tensor(cols["reward"], dtype=torch.float32),
-        group_index=torch.tensor([gid[g] for g in cols["group_id"]], dtype=torch.long),
-        policy_version=torch.tensor(cols["policy_version"], dtype=torch.long),
+        input_ids=torch.from_numpy(ids), attention_mask=torch.from_numpy(in_row.astype(np.int64)),
+        mask=torch.from_numpy(in_resp.astype(np.float32)), behavior_logprobs=torch.from_numpy(blp),
+        rewards=torch.tensor(table.column("reward").to_pylist(), dtype=torch.float32),
+        group_index=torch.tensor([gid[g] for g in groups], dtype=torch.long),
+        policy_version=torch.tensor(table.column("policy_version").to_pylist(), dtype=torch.long),
         sample_weight=w, group_ids=list(gid),
     )
+
+
+def _flat(lists: pa.Array, dtype) -> np.ndarray:
+    """The values of a list array, row after row (offsets respected)."""
+    return lists.flatten().to_numpy(zero_copy_only=False).astype(dtype, copy=False)
 
 
 def shard_groups(batch: TrainBatch, rank: int, world: int) -> torch.Tensor:
@@ -139,7 +152,9 @@ class Forward:
 def forward(model, batch: TrainBatch, temperature: float, entropy: bool = False, hidden: bool = False) -> Forward:
     """Token log-probs under logits / temperature (and optionally entropy, hidden states)."""
     out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, output_hidden_states=hidden)
-    logits = out.logits.float()[:, :-1] / temperature
+    logits = out.logits.float()[:, :-1]
+    if temperature != 1.0:  # (a copy of the logits, and one more in the backward pass)
+        logits = logits / temperature
     logp_all = torch.log_softmax(logits, dim=-1)
     picked = logp_all.gather(-1, batch.input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
     res = Forward(torch.nn.functional.pad(picked, (1, 0)) * batch.mask)
