@@ -55,3 +55,22 @@ def test_collate_aligns_behaviour_logprobs_with_response_tokens(digit_example):
         logits = model(input_ids=b.input_ids[2:3, : p + r]).logits[0]
     manual = torch.log_softmax(logits[p - 1], -1)[row["response_token_ids"][0]]
     assert torch.allclose(lp[2, p], manual, atol=1e-5)
+
+
+def test_collate_lays_out_prompt_then_response_per_row_and_checks_the_log_probs():
+    import pyarrow as pa
+    import pytest
+
+    rows = {"prompt_token_ids": [[9, 9], [1, 2, 3], [4]], "response_token_ids": [[9], [5, 6], [7, 8, 0]],
+            "behavior_logprobs": [[-9.0], [-0.5, -0.6], [-0.7, -0.8, -0.1]], "reward": [0.0, 1.0, 0.5],
+            "group_id": ["x", "g1", "g2"], "policy_version": [0, 3, 4]}
+    table = pa.table(rows).slice(1)  # a slice: the list columns start at an offset
+    b = collate(table, pad_id=99)
+    assert b.input_ids.tolist() == [[1, 2, 3, 5, 6], [4, 7, 8, 0, 99]]
+    assert b.attention_mask.tolist() == [[1, 1, 1, 1, 1], [1, 1, 1, 1, 0]]
+    assert b.mask.tolist() == [[0, 0, 0, 1, 1], [0, 1, 1, 1, 0]]
+    assert torch.allclose(b.behavior_logprobs, torch.tensor([[0, 0, 0, -0.5, -0.6], [0, -0.7, -0.8, -0.1, 0]]))
+    assert b.group_ids == ["g1", "g2"] and b.policy_version.tolist() == [3, 4]
+    rows["behavior_logprobs"][2] = [-0.7]
+    with pytest.raises(ValueError, match="row 1: 3 response tokens but 1 behaviour log-probs"):
+        collate(pa.table(rows).slice(1), pad_id=99)
