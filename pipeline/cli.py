@@ -54,6 +54,8 @@ def cmd_prepare(args) -> int:
 def cmd_sampler(args) -> int:
     from .sampler.loop import run_sampler
 
+    if args.after_prepare and not _wait_prepared(args.run_dir):
+        return 0
     run_sampler(args.run_dir, args.sampler_id)
     return 0
 
@@ -61,8 +63,27 @@ def cmd_sampler(args) -> int:
 def cmd_trainer(args) -> int:
     from .trainer.loop import run_trainer
 
+    if args.after_prepare and not _wait_prepared(args.run_dir):
+        return 0
     run_trainer(args.run_dir)
     return 0
+
+
+_waiting_for_prepare = False  # an engine started with --after-prepare, its run not yet prepared
+
+
+def _wait_prepared(run_url: str) -> bool:
+    """Wait (its libraries loaded) until the run is prepared; False: stopped first, which is how
+    the local runner ends the engines of a run it could not prepare (nothing to report)."""
+    global _waiting_for_prepare
+    from .rundir import RunDir
+
+    try:
+        RunDir(run_url).wait_prepared()
+    except StopSignal:
+        return False
+    _waiting_for_prepare = False
+    return True
 
 
 def cmd_finalize(args) -> int:
@@ -127,6 +148,9 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("trainer", help="the persistent trainer loop")
     s.add_argument("--run-dir", required=True)
     s.set_defaults(fn=cmd_trainer)
+    for s in (sub.choices["sampler"], sub.choices["trainer"]):
+        s.add_argument("--after-prepare", action="store_true",
+                       help="start now and wait for the run's preparation to finish (`rlhf run` starts its engines so)")
 
     s = sub.add_parser("finalize", help="verify and evaluate the final policy, compact L1 into L3, write summary.json")
     s.add_argument("--run-dir", required=True)
@@ -168,6 +192,8 @@ def main(argv: list[str] | None = None) -> int:
     # SIGINT, SIGTERM and SIGHUP unwind like Ctrl-C, so `finally` blocks commit the buffer writer's
     # shards and flush the metrics; an inherited ignore of SIGINT or SIGHUP is honoured
     handle_stop_signals()
+    global _waiting_for_prepare
+    _waiting_for_prepare = bool(getattr(args, "after_prepare", False))
     try:
         return args.fn(args) or 0
     except ConfigError as e:
@@ -177,6 +203,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 1
     except StopSignal as e:
+        if _waiting_for_prepare:  # stopped while loading, before its run existed: nothing to report
+            return 0
         print(f"stopped by {e.signum.name}", file=sys.stderr)
         return e.exit_code
     except KeyboardInterrupt:

@@ -28,6 +28,7 @@ DEVICE_POOL = "rlhf_devices"
 ROLE_DEVICES = {"sampler": "sampler", "trainer": "trainer", "finalize": "trainer", "eval": "trainer"}
 MEMORY_FRACTION_ENV = "RLHF_GPU_MEMORY_FRACTION"
 DEDICATED_ENV = "RLHF_DEDICATED_DEVICES"
+_DRIVER_PATHS = ("/proc/driver/nvidia", "/dev/nvidiactl", "/dev/kfd")  # NVIDIA's driver, AMD's (ROCm)
 
 
 def dedicated(env: Mapping[str, str] | None = None) -> bool:
@@ -43,6 +44,8 @@ def visible_devices(env: Mapping[str, str] | None = None, count: int | None = No
         ids = [x.strip() for x in listed.split(",") if x.strip() and x.strip() != "-1"]
     elif count is not None:
         ids = [str(i) for i in range(count)]
+    elif not any(os.path.exists(p) for p in _DRIVER_PATHS):
+        ids = []  # no GPU driver on this machine: nothing to count, and no torch import to count it
     else:
         import torch
 

@@ -18,9 +18,10 @@ from . import orchestration
 from .config import RunConfig
 from .devices import role_environment, trainer_ranks
 from .processes import stop_group
-from .rundir import RunDir
+from .rundir import RunDir, new_run_id, run_url_for
 from .sampler.claims import replica_ids
 from .signals import StopSignal, default_stop_signals
+from .storage import file_exists
 
 log = logging.getLogger("rlhf.runner")
 
@@ -108,15 +109,21 @@ def run_local(cfg: RunConfig, run_url: str | None = None, progress: bool = True)
     from .progress import follow
 
     t_start = time.time()
-    run = orchestration.prepare(cfg, run_url)
-    log.info("run directory: %s", run.url)
-    _resume_after_a_runner_stop(run)
+    run = RunDir(run_url or run_url_for(orchestration.DEFAULT_RUNS_ROOT, cfg.run_id or new_run_id()))
+    # A new run: the engines start now and load their libraries while the run is prepared (they
+    # wait for its last write); a run that exists (a resume) is prepared first.
+    early = not file_exists(run.fs, run.path("config.yaml"))
     procs: dict[str, subprocess.Popen] = {}
+    prepared = False
     try:
-        procs["sampler"] = Replicas({sid: _child("sampler", run, cfg, cfg.sampler.threads, replica=i,
-                                                 extra_args=("--sampler-id", sid))
-                                     for i, sid in enumerate(replica_ids(cfg.sampler.replicas))})
-        procs["trainer"] = _trainer(run, cfg)
+        if early:
+            procs = _engines(run, cfg, ("--after-prepare",))
+        run = orchestration.prepare(cfg, run.url)
+        prepared = True
+        log.info("run directory: %s", run.url)
+        if not early:
+            _resume_after_a_runner_stop(run)
+            procs = _engines(run, cfg)
         frozen, settled = run.config(), set()  # read once: the run's config does not change while it runs
         follow(run, procs, show_bar=progress, on_tick=lambda: orchestration.advance(run, frozen, settled), cfg=frozen)
         rc = procs["trainer"].wait()
@@ -132,10 +139,12 @@ def run_local(cfg: RunConfig, run_url: str | None = None, progress: bool = True)
         if rc != 0 or src != 0:
             raise RuntimeError(f"trainer exited with {rc}, sampler with {src}; see the output above and {run.url}/metrics")
     except BaseException as e:
-        # Ctrl-C or a failure: ask both processes to stop at their next poll, then make sure.
-        run.request_stop(f"interrupted by {e.signum.name}" if isinstance(e, StopSignal) else
-                         "interrupted" if isinstance(e, KeyboardInterrupt) else f"runner failed: {e}", by="runner")
-        deadline = time.time() + 15
+        # Ctrl-C or a failure: ask both processes to stop at their next poll, then make sure (before
+        # the run is prepared, they are only waiting for it: stopped at once, nothing written).
+        if prepared:
+            run.request_stop(f"interrupted by {e.signum.name}" if isinstance(e, StopSignal) else
+                             "interrupted" if isinstance(e, KeyboardInterrupt) else f"runner failed: {e}", by="runner")
+        deadline = time.time() + (15 if prepared else 0)
         for p in _processes(procs):
             _terminate(p, grace_s=max(0.0, deadline - time.time()))
         raise
@@ -145,18 +154,27 @@ def run_local(cfg: RunConfig, run_url: str | None = None, progress: bool = True)
     return summary
 
 
-def _trainer(run: RunDir, cfg: RunConfig):
+def _engines(run: RunDir, cfg: RunConfig, extra_args=()) -> dict:
+    """The sampler replicas and the trainer, started with `extra_args` each."""
+    samplers = Replicas({sid: _child("sampler", run, cfg, cfg.sampler.threads, replica=i,
+                                     extra_args=("--sampler-id", sid, *extra_args))
+                         for i, sid in enumerate(replica_ids(cfg.sampler.replicas))})
+    return {"sampler": samplers, "trainer": _trainer(run, cfg, extra_args)}
+
+
+def _trainer(run: RunDir, cfg: RunConfig, extra_args=()):
     """The trainer: one launcher, or with `trainer.nnodes: M` M launchers on this machine standing
     in for M nodes, meeting at a loopback rendezvous (what M Airflow tasks do across machines)."""
     nproc = trainer_ranks(cfg.devices, cfg.trainer.nproc_per_node)
     tc = cfg.trainer
     if tc.nnodes == 1:
-        return _child("trainer", run, cfg, tc.threads, nproc)
+        return _child("trainer", run, cfg, tc.threads, nproc, extra_args=extra_args)
     from .rendezvous import free_port
 
     where = tc.rendezvous or f"127.0.0.1:{free_port()}"
-    return Replicas({f"trainer-node-{i}": _child("trainer", run, cfg, tc.threads, nproc, nnodes=tc.nnodes, node_rank=i,
-                                                  rendezvous=where, rendezvous_id=run.run_id)
+    return Replicas({f"trainer-node-{i}": _child("trainer", run, cfg, tc.threads, nproc, extra_args=extra_args,
+                                                  nnodes=tc.nnodes, node_rank=i, rendezvous=where,
+                                                  rendezvous_id=run.run_id)
                      for i in range(tc.nnodes)}, all_needed=True)
 
 

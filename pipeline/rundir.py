@@ -167,6 +167,16 @@ class RunDir:
     def exists(self) -> bool:
         return self.fs.exists(self.path("config.yaml"))
 
+    def wait_prepared(self, poll_s: float = 0.1) -> None:
+        """Wait for the end of this run's preparation (`prepare.json`, its last write): an engine
+        the local runner starts while it prepares a new run. Raises RuntimeError once the process
+        that started this one is gone."""
+        parent = os.getppid()
+        while not file_exists(self.fs, self.path("prepare.json")):
+            if os.getppid() != parent:
+                raise RuntimeError(f"{self.url}: the process that started this one stopped before the run was prepared")
+            time.sleep(poll_s)
+
     def check_creatable(self) -> None:
         """Refuse a folder that holds files but is not a run directory (no config.yaml), such as
         `--run-dir /etc`. A missing or empty folder, or a run directory (a retried prepare), is fine;

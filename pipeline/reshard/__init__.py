@@ -12,9 +12,16 @@ layout, on any fsspec URL, streaming one tensor at a time. This package knows no
 policy versions: `pipeline.policy` publishes versions through it.
 """
 
-from .checkpoint import save_dcp
-from .engine import publish, reshard
-from .layout import Format, ReshardError, parse_format
-from .manifest import Verification, verify
+from importlib import import_module
 
-__all__ = ["Format", "ReshardError", "Verification", "parse_format", "publish", "reshard", "save_dcp", "verify"]
+# Loaded on first use (PEP 562): importing `pipeline.reshard.cli` to list the commands of `rlhf`
+# then costs no torch import.
+_EXPORTS = {"save_dcp": "checkpoint", "publish": "engine", "reshard": "engine", "Format": "layout",
+            "ReshardError": "layout", "parse_format": "layout", "Verification": "manifest", "verify": "manifest"}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        return getattr(import_module(f".{_EXPORTS[name]}", __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -200,3 +200,24 @@ def test_rerunning_an_interrupted_run_resumes_it_to_the_end(tmp_path, spawn):
     steps = [r["step"] for r in run.read_metrics("trainer") if "step" in r]
     assert steps == list(range(1, 7))
     assert run.has_marker(RunDir.TRAINER_DONE_MARKER) and run.read_json("summary.json")["steps"] == 6
+
+
+def test_a_run_that_cannot_be_prepared_stops_the_engines_started_beside_it(tmp_path, spawn):
+    """`rlhf run` starts sampler and trainer while it prepares a new run; bad input ends them."""
+    p = spawn([sys.executable, "-m", "pipeline", "run", "configs/tiny-test.yaml", "--run-dir", str(tmp_path / "r1"),
+               "--no-progress", "--set", "data.train=/nonexistent/train.parquet"],
+              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    started = set()
+    while p.poll() is None:  # the engines it started, seen while they live
+        try:
+            started |= {c.pid for c in psutil.Process(p.pid).children(recursive=True)}
+        except psutil.NoSuchProcess:
+            break
+        time.sleep(0.05)
+    _, err = p.communicate(timeout=120)
+    assert p.returncode == 2
+    lines = [line for line in err.strip().splitlines() if line]
+    assert len(lines) == 1 and "data.train" in lines[0], err
+    gone, alive = psutil.wait_procs([psutil.Process(q) for q in started if psutil.pid_exists(q)], timeout=5)
+    assert len(started) >= 2 and not [q for q in alive if q.status() != psutil.STATUS_ZOMBIE]
+    assert not (tmp_path / "r1").exists()
