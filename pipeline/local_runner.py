@@ -157,7 +157,7 @@ def run_local(cfg: RunConfig, run_url: str | None = None, progress: bool = True)
 def _engines(run: RunDir, cfg: RunConfig, extra_args=()) -> dict:
     """The sampler replicas and the trainer, started with `extra_args` each."""
     samplers = Replicas({sid: _child("sampler", run, cfg, cfg.sampler.threads, replica=i,
-                                     extra_args=("--sampler-id", sid, *extra_args))
+                                     extra_args=(*extra_args, "--sampler-id", sid))
                          for i, sid in enumerate(replica_ids(cfg.sampler.replicas))})
     return {"sampler": samplers, "trainer": _trainer(run, cfg, extra_args)}
 
