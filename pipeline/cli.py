@@ -52,38 +52,34 @@ def cmd_prepare(args) -> int:
 
 
 def cmd_sampler(args) -> int:
-    from .sampler.loop import run_sampler
-
-    if args.after_prepare and not _wait_prepared(args.run_dir):
-        return 0
-    run_sampler(args.run_dir, args.sampler_id)
+    run_sampler = _engine(args, ".sampler.loop", "run_sampler")
+    if run_sampler is not None:
+        run_sampler(args.run_dir, args.sampler_id)
     return 0
 
 
 def cmd_trainer(args) -> int:
-    from .trainer.loop import run_trainer
-
-    if args.after_prepare and not _wait_prepared(args.run_dir):
-        return 0
-    run_trainer(args.run_dir)
+    run_trainer = _engine(args, ".trainer.loop", "run_trainer")
+    if run_trainer is not None:
+        run_trainer(args.run_dir)
     return 0
 
 
-_waiting_for_prepare = False  # an engine started with --after-prepare, its run not yet prepared
-
-
-def _wait_prepared(run_url: str) -> bool:
-    """Wait (its libraries loaded) until the run is prepared; False: stopped first, which is how
-    the local runner ends the engines of a run it could not prepare (nothing to report)."""
-    global _waiting_for_prepare
-    from .rundir import RunDir
-
+def _engine(args, module: str, name: str):
+    """The engine's entry point, loaded; with --after-prepare, once the run is prepared. None:
+    stopped before that, which is how the local runner ends the engines of a run it could not
+    prepare (nothing to report)."""
     try:
-        RunDir(run_url).wait_prepared()
+        entry = getattr(importlib.import_module(module, __package__), name)
+        if args.after_prepare:
+            from .rundir import RunDir
+
+            RunDir(args.run_dir).wait_prepared()
     except StopSignal:
-        return False
-    _waiting_for_prepare = False
-    return True
+        if args.after_prepare:
+            return None
+        raise
+    return entry
 
 
 def cmd_finalize(args) -> int:
@@ -192,8 +188,6 @@ def main(argv: list[str] | None = None) -> int:
     # SIGINT, SIGTERM and SIGHUP unwind like Ctrl-C, so `finally` blocks commit the buffer writer's
     # shards and flush the metrics; an inherited ignore of SIGINT or SIGHUP is honoured
     handle_stop_signals()
-    global _waiting_for_prepare
-    _waiting_for_prepare = bool(getattr(args, "after_prepare", False))
     try:
         return args.fn(args) or 0
     except ConfigError as e:
@@ -203,8 +197,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 1
     except StopSignal as e:
-        if _waiting_for_prepare:  # stopped while loading, before its run existed: nothing to report
-            return 0
         print(f"stopped by {e.signum.name}", file=sys.stderr)
         return e.exit_code
     except KeyboardInterrupt:

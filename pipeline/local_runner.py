@@ -21,7 +21,6 @@ from .processes import stop_group
 from .rundir import RunDir, new_run_id, run_url_for
 from .sampler.claims import replica_ids
 from .signals import StopSignal, default_stop_signals
-from .storage import file_exists
 
 log = logging.getLogger("rlhf.runner")
 
@@ -112,7 +111,7 @@ def run_local(cfg: RunConfig, run_url: str | None = None, progress: bool = True)
     run = RunDir(run_url or run_url_for(orchestration.DEFAULT_RUNS_ROOT, cfg.run_id or new_run_id()))
     # A new run: the engines start now and load their libraries while the run is prepared (they
     # wait for its last write); a run that exists (a resume) is prepared first.
-    early = not file_exists(run.fs, run.path("config.yaml"))
+    early = not run.exists()
     procs: dict[str, subprocess.Popen] = {}
     prepared = False
     try:

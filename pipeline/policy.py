@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from typing import Iterable, Iterator
 
 from .model_cache import cache_dir
-from .policy_cache import REMOTE_POLL_S, VERSION_RE, LocalCopies, version_dirname
+from .policy_cache import REMOTE_POLL_S, SHARED, VERSION_RE, LocalCopies, version_dirname
 from .rundir import RunDir
 from .storage import delete, delete_files, file_exists, is_local, list_files, list_names, put_atomic, read_bytes
 
@@ -42,8 +42,8 @@ LEASES = "leases"
 LEASE_TTL_S = 3600.0
 """A lease older than this is ignored (its holder died while loading): it pins a version for at most this long."""
 LEASE_ATTEMPTS = 5
-SHARED, SHARED_DIR = "shared", "files"
-"""Manifest key and folder (under policy/) of the files in-phase versions share on object stores."""
+SHARED_DIR = "files"
+"""The folder (under policy/) of the files in-phase versions share on object stores (manifest key SHARED)."""
 
 
 @dataclass(frozen=True)

@@ -35,6 +35,8 @@ from typing import Callable, Iterator
 VERSION_RE = re.compile(r"^v(\d{6,})$")
 LOCAL_COPIES = 2
 """Local copies of a remote run's versions kept besides v0: the newest ones."""
+SHARED = "shared"
+"""Manifest key of the files a version shares with others (stored once in the run directory)."""
 SEEDED = ".seeded"
 FRESH_SEED_S = 60.0
 """A seed younger than this means the run's publisher is on this node."""
@@ -91,7 +93,7 @@ class LocalCopies:
         """The copy of `version`, made from `manifest` with `fetch(name, local path)` for each file
         that is not the same in the newest copy below."""
         dst = self.folder(version)
-        if not (dst / "manifest.json").exists():
+        if self.get(version) is None:
             self.root.mkdir(parents=True, exist_ok=True)
             tmp = tempfile.mkdtemp(prefix=".dl-", dir=self.root)
             try:
@@ -105,7 +107,7 @@ class LocalCopies:
                 self._place(tmp, manifest, dst)
             except OSError:
                 shutil.rmtree(tmp, ignore_errors=True)
-                if not (dst / "manifest.json").exists():  # not a concurrent download that got there first
+                if self.get(version) is None:  # not a concurrent download that got there first
                     raise
             self.prune(keep={0, version})
         return str(dst)
@@ -115,7 +117,7 @@ class LocalCopies:
         `build(folder)` writes the version's files there and returns their manifest, which must
         list the same files (else nothing is placed). False if nothing was placed."""
         dst = self.folder(version)
-        if (dst / "manifest.json").exists():
+        if self.get(version) is not None:
             return False
         self.root.mkdir(parents=True, exist_ok=True)
         tmp = tempfile.mkdtemp(prefix=".seed-", dir=self.root)
@@ -182,7 +184,7 @@ class LocalCopies:
 def all_files(manifest: dict) -> dict:
     """Every file of a version's folder: its own (`files`) and those it shares with other
     versions (`shared`, stored once in the run directory's `policy/files/`)."""
-    return {**manifest.get("files", {}), **manifest.get("shared", {})}
+    return {**manifest.get("files", {}), **manifest.get(SHARED, {})}
 
 
 def _link_or_copy(src: str, dst: str) -> bool:

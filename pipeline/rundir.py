@@ -110,9 +110,9 @@ class RunDir:
     The names of the markers processes and orchestrators exchange live here, and only here."""
 
     STOP_MARKER = "stop"
+    """Written to stop the run: the sampler, the trainer and waiting sensors obey it (`request_stop`)."""
     STOP_CHECK_S = 0.5
     """A waiting sampler or trainer looks for the stop marker at most this often (seconds)."""
-    """Written to stop the run: the sampler, the trainer and waiting sensors obey it (`request_stop`)."""
     TRAINER_DONE_MARKER = "trainer_done"
     """Written by the trainer after its last step: {"step", "replay_epochs_skipped"}."""
     TRAINER_RENDEZVOUS_MARKER = "trainer_rendezvous"
@@ -165,7 +165,7 @@ class RunDir:
 
     # config -----------------------------------------------------------------------------------
     def exists(self) -> bool:
-        return self.fs.exists(self.path("config.yaml"))
+        return file_exists(self.fs, self.path("config.yaml"))
 
     def wait_prepared(self, poll_s: float = 0.1) -> None:
         """Wait for the end of this run's preparation (`prepare.json`, its last write): an engine

@@ -70,7 +70,10 @@ class _Preallocated(DynamicLayer):
         self._k[:, :, self._n:end] = k
         self._v[:, :, self._n:end] = v
         self._n = end
-        self.keys, self.values = self._k[:, :, :end], self._v[:, :, :end]
+        self._view()
+
+    def _view(self) -> None:
+        self.keys, self.values = self._k[:, :, :self._n], self._v[:, :, :self._n]
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         self._put(key_states, value_states)
@@ -78,11 +81,11 @@ class _Preallocated(DynamicLayer):
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         self._k, self._v = self._k[indices], self._v[indices]
-        self.keys, self.values = self._k[:, :, :self._n], self._v[:, :, :self._n]
+        self._view()
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         self._k, self._v = self._k.repeat_interleave(repeats, 0), self._v.repeat_interleave(repeats, 0)
-        self.keys, self.values = self._k[:, :, :self._n], self._v[:, :, :self._n]
+        self._view()
 
 
 def _preallocate(cache, extra: int) -> None:
