@@ -97,22 +97,25 @@ class PolicyStore:
         version was already committed (a retried task)."""
         return not self.exists(version) and self._publish(version, source_url, meta) is not None
 
-    def _publish(self, version: int, source_url: str, meta: dict | None) -> dict | None:
+    def _publish(self, version: int, source_url: str, meta: dict | None, hint: bool = True) -> dict | None:
         """Publish `version`, which the caller has just seen uncommitted; its manifest if this
-        call committed it."""
+        call committed it. `hint` False: the caller moves `latest.json` (`_move_hint`)."""
         from .reshard import publish
 
         manifest, committed = publish(source_url, self.url(version), "hf", policy_version=version, extra=meta,
                                       known_new=True)
-        if not committed:
-            return None
+        if committed and hint:
+            self._move_hint(version)
+        return manifest if committed else None
+
+    def _move_hint(self, version: int) -> None:
+        """Point `latest.json` at `version`, just committed, unless it names a newer one."""
         # The hint this store wrote last is newer than any other's unless it is below `version`
         # (not latest(): that would see this version past the hint and list them all).
         hint = self._hinted if self._hinted is not None and version > self._hinted else self._hint()
         if hint is None or version >= hint:
             put_atomic(self.fs, self.run.path("policy", "latest.json"), json.dumps({"version": version}).encode())
             self._hinted = version
-        return manifest
 
     def publish_model(self, version: int, model, tokenizer, meta: dict | None = None,
                       weights: dict | None = None) -> bool:
@@ -134,9 +137,11 @@ class PolicyStore:
                             weights=model.state_dict() if weights is None else weights)
             remote = not is_local(self.fs)
             shared = self._share(folder, aside) if remote else {}
-            manifest = self._publish(version, folder, {**(meta or {}), SHARED: shared} if shared else meta)
-            if manifest is not None and remote:
+            manifest = self._publish(version, folder, {**(meta or {}), SHARED: shared} if shared else meta,
+                                     hint=not remote)
+            if manifest is not None and remote:  # the samplers beside it first, then the hint for others
                 self._seed(version, folder, meta, manifest, aside)
+                self._move_hint(version)
             return manifest is not None
 
     def _share(self, folder: str, aside: str) -> dict:

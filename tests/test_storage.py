@@ -76,3 +76,19 @@ def test_unknown_protocol_refuses_create_only_writes(tmp_path):
 
     with pytest.raises(NotImplementedError, match="create-only"):
         put_if_absent(HTTPFileSystem(), "http://127.0.0.1:9/x", b"1")
+
+
+def test_s3_clients_skip_botocore_checksums_under_the_users_own_settings(monkeypatch):
+    import fsspec
+
+    from pipeline.storage import S3_CLIENT_DEFAULTS, url_to_fs
+
+    monkeypatch.setitem(fsspec.config.conf, "s3", {"endpoint_url": "http://127.0.0.1:9",
+                                                   "config_kwargs": {"response_checksum_validation": "when_supported"}})
+    fs, _ = url_to_fs("s3://bucket-a/run")
+    assert fs.config_kwargs == {**S3_CLIENT_DEFAULTS, "response_checksum_validation": "when_supported"}
+    fs, _ = url_to_fs("s3://bucket-a/run", config_kwargs={"parameter_validation": True})
+    assert fs.config_kwargs["parameter_validation"] is True
+    assert fs.config_kwargs["request_checksum_calculation"] == "when_required"
+    local, _ = url_to_fs("file:///tmp")
+    assert not hasattr(local, "config_kwargs")

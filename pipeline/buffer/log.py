@@ -77,15 +77,11 @@ class CommitLog:
 
     def __init__(self, fs, root: str, checkpoint_interval: int = 50, writer: str = "",
                  tombstone_retention_s: float = 3600.0, fsync: bool = True):
-        self.fs = fs
-        self.fsync = fsync
+        self.fs, self.fsync, self.root, self.dir = fs, fsync, root, join(root, LOG_DIR)
         # vacuum needs a removed file's removal time only until the grace period has passed: after
         # that its modification time (never later than its removal) is just as safe to go by
         self.tombstone_retention_s = tombstone_retention_s
-        self.root = root
-        self.dir = join(root, LOG_DIR)
-        self.checkpoint_interval = checkpoint_interval
-        self.writer = writer
+        self.checkpoint_interval, self.writer = checkpoint_interval, writer
         self.state = BufferState()
         self.files_read = 0  # entries + checkpoints read; opening cost is visible in tests/bench
         self.pointer_check_interval_s = 5.0  # how often a reader that sees no new entry checks retention
@@ -220,24 +216,26 @@ class CommitLog:
 
     def _probe(self, start: int) -> list[LogEntry]:
         """Entries start, start+1, ... up to the first missing one. Local storage reads them one
-        by one. Remote storage reads the first two one by one, so an idle poll costs one request
-        and a single new entry two, then reads 2, 4, ... up to _REMOTE_PROBE at once: catching up
-        on many entries takes few round trips, and reading past the end of the log wastes at most
-        half of the last batch."""
+        by one. Remote storage reads the first two one by one (and those after one of its own), so
+        an idle poll costs one request and a single new entry two, then reads 2, 4, ... up to
+        _REMOTE_PROBE at once: catching up on many entries takes few round trips, and reading past
+        the end of the log wastes at most half of the last batch."""
         out: list[LogEntry] = []
-        v, width = start, 1
+        v, width, read = start, 1, 0  # read: entries read in a row since one of its own (not read back)
         while True:
-            if width == 1 or v in self._own:
-                entries = [self._own.pop(v, None) or self.read_entry(v)]
+            if v in self._own:
+                entries, width, read = [self._own.pop(v)], 1, 0
+            elif width == 1:
+                entries, read = [self.read_entry(v)], read + 1
             else:
                 with ThreadPoolExecutor(width) as ex:
-                    entries = list(ex.map(self.read_entry, range(v, v + width)))
+                    entries = list(ex.map(lambda k: self._own.get(k) or self.read_entry(k), range(v, v + width)))
             for e in entries:
                 if e is None:
                     return out
                 out.append(e)
                 v += 1
-            if self._remote and len(out) >= 2:
+            if self._remote and read >= 2:
                 width = min(2 * width, _REMOTE_PROBE)
 
     def _catch_up_after_retention(self) -> None:

@@ -41,6 +41,7 @@ class ShardWriter:
         self.commits: list[float] = []  # seconds per log commit, for metrics
         self.rows_written = 0
         self._pending = 0  # groups handed to write() and not yet committed (or failed)
+        self.groups_written = 0  # groups handed to write() since it was opened
         self._pending_lock = threading.Lock()
         self._threads = [
             threading.Thread(target=self._encode_loop, name=f"buffer-encode-{writer_id}", daemon=True),
@@ -57,8 +58,10 @@ class ShardWriter:
         if table.num_rows == 0:
             return
         table = conform(table)
+        groups = pc.count_distinct(table.column("group_id")).as_py()
         with self._pending_lock:
-            self._pending += pc.count_distinct(table.column("group_id")).as_py()
+            self._pending += groups
+        self.groups_written += groups
         self._tables.put(table)
 
     def pending_groups(self) -> int:

@@ -27,6 +27,7 @@ from ..storage import join, list_names, put_if_absent
 
 CLAIMS_DIR = "claims"
 HOLD_MIN_S = 30.0  # a hold counts at least this long, and at least 3x its replica's last batch time
+SAVE_ALONE_S = 5.0
 
 
 def claim_name(k: int) -> str:
@@ -89,10 +90,19 @@ class DrawClaims:
 
     def release(self, k: int, batch_s: float | None = None) -> None:
         """Draw k was made in `batch_s` seconds and handed over or dropped (None: given up unmade,
-        the run is stopping): this replica holds nothing until its next claim."""
+        the run is stopping): this replica holds nothing until its next claim. Alone, it saved no
+        hold, and nobody reads its batch time: the marker is written at most every SAVE_ALONE_S
+        (and by `flush`), a request per batch less."""
         if batch_s is not None:
             self.state.update(last_draw=k, batches=self.batches + 1, batch_s=round(batch_s, 3))
-        self._save()
+        self._dirty = True
+        if self.others or time.monotonic() - self._saved_at >= SAVE_ALONE_S:
+            self._save()
+
+    def flush(self) -> None:
+        """Write what `release` has not yet written."""
+        if self._dirty:
+            self._save()
 
     def held_below(self, k: int | None = None) -> int:
         """How many of the other replicas hold a draw below k (any draw, with k None) and are
@@ -115,3 +125,4 @@ class DrawClaims:
 
     def _save(self, **hold) -> None:
         self.run.set_marker(self.key, {**self.state, "holding": None, **hold})
+        self._dirty, self._saved_at = False, time.monotonic()

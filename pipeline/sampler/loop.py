@@ -38,6 +38,8 @@ from .claims import DrawClaims
 log = logging.getLogger("rlhf.sampler")
 # Fault injection for the replica tests: "sampler-2=1.5,..." makes those replicas that much slower per batch.
 DELAY_ENV = "RLHF_SAMPLER_DELAY_S"
+RECOUNT_S = 2.0  # a lone replica reads the buffer log at most this often (see Sampler._groups_ahead)
+STOP_CHECK_S = 1.0
 
 
 def injected_delay(sampler_id: str) -> float:
@@ -64,15 +66,21 @@ class PromptStream:
 
     def __init__(self, prompts: list[PromptRow], seed: int, position: int = 0):
         self.prompts, self.seed, self.position = prompts, seed, position
+        self._order: tuple[int, list[int]] = (-1, [])  # (pass, its order): shuffled once per pass
+
+    def _pass(self, epoch: int) -> list[int]:
+        if self._order[0] != epoch:
+            order = list(range(len(self.prompts)))
+            random.Random(self.seed * 1_000_003 + epoch).shuffle(order)
+            self._order = (epoch, order)
+        return self._order[1]
 
     def take(self, k: int) -> list[PromptRow]:
         out = []
         n = len(self.prompts)
         while len(out) < k:
             epoch, i = divmod(self.position, n)
-            order = list(range(n))
-            random.Random(self.seed * 1_000_003 + epoch).shuffle(order)
-            out.append(self.prompts[order[i]])
+            out.append(self.prompts[self._pass(epoch)[i]])
             self.position += 1
         return out
 
@@ -163,6 +171,7 @@ class Sampler:
         self.waited = self.reload_s = 0.0  # since the last logged batch
         self._stop_checked = 0.0
         self._stale_at: int | None = None  # the policy version at which the staleness bound held it
+        self._counted, self._counted_at = 0, -RECOUNT_S  # see _groups_ahead
         log.info("sampler %s: policy v%d, backend %s, %d prompts", sampler_id, self.version, sc.backend, len(prompts))
         self.scorer = RewardScorer(cfg.reward, dtype=cfg.model.dtype)  # a rule reward's worker loads meanwhile
 
@@ -180,11 +189,29 @@ class Sampler:
         and (before generating: `handover` False) after the draws other replicas hold below
         `draw` (the next draw it would claim, with `draw` None)."""
         sc = self.cfg.sampler
-        position = self.writer.pending_groups()  # read first: a commit meanwhile is counted twice, not missed
-        position += self.buffer.committed_groups()
+        position = self._groups_ahead()
         if not handover:
             position += sc.prompts_per_batch * self.claims.held_below(draw)
         return batch_ahead(position, self.cfg.trainer.groups_per_step, self.version)
+
+    def _groups_ahead(self) -> int:
+        """Groups committed to L1 by every writer, and this replica's still in its writer.
+
+        Alone, the only L1 writer of the run, a replica knows that number without reading the log:
+        the count of the last reading plus the groups it has handed to its writer since. It reads
+        the log again (on object storage a request per new entry and one more) at most every
+        RECOUNT_S, which also keeps the `l1_max_rows` bound's view of the buffer that fresh. The
+        bounds on the trainer's progress (`samples_per_insert`, `max_fresh_backlog`) read it each time."""
+        written = self.writer.groups_written
+        bc = self.cfg.buffer
+        if (self.claims.alone and bc.samples_per_insert is None and bc.max_fresh_backlog is None
+                and time.monotonic() - self._counted_at < RECOUNT_S):
+            return self._counted + written
+        pending = self.writer.pending_groups()  # read first: a commit meanwhile is counted twice, not missed
+        position = pending + self.buffer.committed_groups()
+        if self.writer.pending_groups() == pending:  # else a commit came in between: recount next time
+            self._counted, self._counted_at = position - written, time.monotonic()
+        return position
 
     def throttled(self, draw: int | None = None) -> bool:
         """Too far ahead of the trainer (staleness bound) or of the buffer's rate limiter, for the
@@ -198,7 +225,7 @@ class Sampler:
             self._stale_at = self.version
             return True
         self._stale_at = None
-        # ahead() has just caught the buffer's state up with the log: the rate limiter reads it as is
+        # ahead() has read the log (or, alone with no bound on the trainer's progress, did so lately)
         return self.limiter.blocked_by(sc.prompts_per_batch, refresh=False) is not None
 
     def wait(self) -> None:
@@ -208,10 +235,11 @@ class Sampler:
         self.reload_if_newer()
 
     def stopping(self) -> bool:
-        """The stop or trainer-done marker is there: looked for at most every `RunDir.STOP_CHECK_S` (two
-        requests each time on object storage, and the loop asks between every two polls)."""
+        """The stop or trainer-done marker is there: looked for at most every STOP_CHECK_S (two
+        requests each time on object storage, and the loop asks between every two polls). A sampler
+        that goes on a little after the trainer's end only makes a batch nobody trains on."""
         now = time.time()
-        if now - self._stop_checked < RunDir.STOP_CHECK_S:
+        if now - self._stop_checked < STOP_CHECK_S:
             return False
         self._stop_checked = now
         return self.run.stop_requested() or self.run.has_marker(RunDir.TRAINER_DONE_MARKER)
@@ -274,6 +302,7 @@ class Sampler:
                 self.reload_if_newer()
         finally:
             self.writer.close()
+            self.claims.flush()
             self.metrics.flush()
             self.backend.close()
             self.scorer.close()

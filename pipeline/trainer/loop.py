@@ -48,6 +48,7 @@ from .step import train_step
 
 log = logging.getLogger("rlhf.trainer")
 FAULT_ENV = "RLHF_TRAINER_KILL_AFTER_STEP"  # fault injection for the resume tests: SIGKILL after step N
+MARK_EVERY_S = 2.0
 
 
 class TrainerStopped(Exception):
@@ -90,9 +91,43 @@ class _Wait:
         time.sleep(max(self.poll_s, min(waited / 4, RunDir.STOP_CHECK_S)))
 
 
+class ConsumedMarks:
+    """The trainer's L1 position recorded in the buffer log (`ReplayBuffer.mark_consumed`).
+
+    A rate-limiter bound that reads it (`buffer.samples_per_insert`, `buffer.max_fresh_backlog`)
+    gets it after every step. Otherwise it is recorded at most every MARK_EVERY_S, before the
+    trainer waits for fresh groups, at every checkpoint and at the end of the loop: each mark is a commit, on object storage a write for the
+    trainer and a read for every other process of the run. Compaction and the `l1_max_rows` bound
+    then see the trainer's progress up to that much later; a resumed trainer starts from its
+    checkpoint's cursor either way."""
+
+    def __init__(self, buffer: ReplayBuffer, bc):
+        self.buffer = buffer
+        self.every_s = 0.0 if bc.samples_per_insert is not None or bc.max_fresh_backlog is not None else MARK_EVERY_S
+        self._cursor: dict | None = None
+        self._at = time.monotonic()
+
+    def consumed(self, cursor: dict) -> None:
+        self._cursor = cursor
+        if time.monotonic() - self._at >= self.every_s:
+            self.flush()
+
+    def recorded(self) -> None:
+        """A commit of the caller's (`promote` with its cursor) has recorded the position."""
+        self._cursor, self._at = None, time.monotonic()
+
+    def flush(self) -> None:
+        if self._cursor is not None:
+            self.buffer.mark_consumed(self._cursor)
+            self.recorded()
+
+
 def wait_for_groups(buffer: ReplayBuffer, run: RunDir, cursor: dict | None, groups: int,
-                    poll_s: float, timeout_s: float) -> tuple[pa.Table, dict | None, float]:
-    """Read exactly `groups` fresh groups (blocking). Returns (table, new cursor, seconds waited)."""
+                    poll_s: float, timeout_s: float, marks: ConsumedMarks | None = None
+                    ) -> tuple[pa.Table, dict | None, float]:
+    """Read exactly `groups` fresh groups (blocking). Returns (table, new cursor, seconds waited).
+    Before it waits, `marks` records what was consumed (a sampler the `l1_max_rows` bound holds
+    back waits for it)."""
     parts: list[pa.Table] = []
     have = 0
     wait = _Wait(run, poll_s, timeout_s)
@@ -102,6 +137,8 @@ def wait_for_groups(buffer: ReplayBuffer, run: RunDir, cursor: dict | None, grou
             parts.append(table)
             have += len(set(table.column("group_id").to_pylist()))
             continue
+        if marks is not None:
+            marks.flush()
         wait.sleep(lambda: f"no fresh rollouts for {timeout_s:.0f}s (have {have}/{groups} groups); is the sampler "
                            "running? raise trainer.wait_timeout_s for slow samplers")
     return pa.concat_tables(parts), cursor, wait.waited()
@@ -172,6 +209,7 @@ class Trainer:
         warm = tc.warmup_steps
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lambda n: min(1.0, (n + 1) / warm) if warm else 1.0)
         self.buffer = ReplayBuffer(run.buffer_url, cfg.buffer)
+        self.marks = ConsumedMarks(self.buffer, cfg.buffer)
         self.state = TrainerState()
         ck = latest_checkpoint(run)
         if ck is not None:
@@ -191,7 +229,8 @@ class Trainer:
     def fresh_step(self) -> dict:
         tc, st, world = self.tc, self.state, self.world
         table, cursor, waited = wait_for_groups(self.buffer, self.run, st.cursor_dict(), tc.groups_per_step,
-                                                self.cfg.sampler.poll_s, tc.wait_timeout_s)
+                                                self.cfg.sampler.poll_s, tc.wait_timeout_s,
+                                                self.marks if world.is_main else None)
         t0 = time.time()
         batch = collate(table, self.tokenizer.pad_token_id)
         version = st.step
@@ -203,8 +242,9 @@ class Trainer:
         if world.is_main:
             if tc.replay_epochs:
                 self.buffer.promote(table, cursor=cursor)  # quality filter -> L2, and the cursor, in one commit
+                self.marks.recorded()
             else:
-                self.buffer.mark_consumed(cursor)
+                self.marks.consumed(cursor)
         self.fresh_samples += table.num_rows
         self.lineage.add(table, step=st.step, update=st.updates, version=st.step, kind="fresh", stats=res.stats)
         staleness = version - batch.policy_version
@@ -290,7 +330,9 @@ class Trainer:
     def _checkpoint(self, kind: str):
         """Save a checkpoint; the ledger's rows up to it are written first, so a resume from it
         finds them (rows written past the newest checkpoint are rolled back on resume); so are the
-        metrics records, which on object storage are buffered into parts."""
+        metrics records, which on object storage are buffered into parts; and the consumption mark."""
+        if self.world.is_main:
+            self.marks.flush()
         self.lineage.flush()
         self.metrics.flush()
         return save_checkpoint(self.run, self.actor, self.opt, self.sched, self.state, self.tokenizer, self.world,
@@ -332,6 +374,8 @@ class Trainer:
             log.info("trainer: stop requested at step %d", st.step)
         finally:
             try:
+                if ok and world.is_main:
+                    self.marks.flush()
                 if publisher is not None:
                     publisher.close()  # publishes what is queued; raises if a publication failed
             finally:

@@ -10,9 +10,11 @@ publication fails the trainer at its next publication or at its end. The checkpo
 `PolicyStore.publish_checkpoint`, which the orchestrator calls (the DAG's reshard task, the local
 runner's `advance`), not the trainer.
 
-Retention (`prune_policies`, rank 0 after every `trainer.keep_policy_versions` in-phase
-publications and at the end; the trainer is the one deleter): the newest `keep_policy_versions`
-versions stay (up to twice as many are there between two retentions), and so do v0 (the reference policy and
+Retention (`prune_policies`, rank 0 after `trainer.keep_policy_versions` in-phase publications,
+at most every RETAIN_EVERY_S, and at the end; the trainer is the one deleter): the newest
+`keep_policy_versions` versions stay (between two retentions, so do those published since the
+last: at least `keep`, and what RETAIN_EVERY_S of publications holds; on object storage each
+retention is some five requests), and so do v0 (the reference policy and
 every trainer's starting weights), each phase-end version (the last one is the final policy that
 finalize exports) and any version a sampler is loading (its lease, see `PolicyStore.retain`).
 """
@@ -20,12 +22,15 @@ finalize exports) and any version a sampler is loading (its lease, see `PolicySt
 from __future__ import annotations
 
 import threading
+import time
 
 from ..config import TrainerConfig
 from ..policy import PolicyStore
 from ..rundir import RunDir
 from .distributed import World
 from .phases import phase_end_steps
+
+RETAIN_EVERY_S = 10.0
 
 
 def publish_policy(run: RunDir, version: int, actor, tokenizer, world: World, meta: dict | None = None,
@@ -66,6 +71,7 @@ class BackgroundPublisher:
         self._error: BaseException | None = None
         self.replaced = 0  # versions a newer one replaced before they were published
         self.published = 0
+        self._retained = (0, time.monotonic())  # publications counted, and when, at the last retention
         self._thread = threading.Thread(target=self._loop, name="policy-publisher", daemon=True)
         self._thread.start()
 
@@ -84,8 +90,12 @@ class BackgroundPublisher:
         self._thread.join()
         with self._cond:
             self._raise_if_failed()
-        if self.published % self.tc.keep_policy_versions:
-            prune_policies(self.store, self.tc)
+        if self.published > self._retained[0]:
+            self._retain()
+
+    def _retain(self) -> None:
+        prune_policies(self.store, self.tc)
+        self._retained = (self.published, time.monotonic())
 
     def _raise_if_failed(self) -> None:
         if self._error is not None:
@@ -103,8 +113,10 @@ class BackgroundPublisher:
             try:
                 if self.store.publish_model(version, model, tokenizer, meta, weights=weights):
                     self.published += 1
-                    if self.published % self.tc.keep_policy_versions == 0:  # one retention per `keep` versions
-                        prune_policies(self.store, self.tc)
+                    count, at = self._retained
+                    if (self.published - count >= self.tc.keep_policy_versions
+                            and time.monotonic() - at >= RETAIN_EVERY_S):
+                        self._retain()
             except BaseException as e:  # surfaced on the trainer's next submit or close
                 with self._cond:
                     self._error = e

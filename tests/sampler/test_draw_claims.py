@@ -71,3 +71,94 @@ def test_a_replica_the_config_does_not_name_ends_being_alone(tmp_path):
     assert first.alone  # its staleness checks may rely on counting only its own groups
     DrawClaims(run, "sampler-7", replicas=1).next()  # joins the running run
     assert first.next() == 2 and not first.alone  # it found draw 1 taken: checks against others again
+
+
+def test_the_prompt_stream_is_one_shuffled_pass_after_another_readable_from_any_position():
+    import random
+
+    from pipeline.sampler.loop import PromptStream
+
+    n, seed = 7, 3
+    expected = []
+    for epoch in range(3):  # the definition: pass e is range(n) shuffled by a generator seeded from (seed, e)
+        order = list(range(n))
+        random.Random(seed * 1_000_003 + epoch).shuffle(order)
+        expected += order
+    stream = PromptStream(list(range(n)), seed)
+    got = stream.take(4) + stream.take(10) + stream.take(7)
+    assert got == expected
+    assert sorted(got[:n]) == list(range(n)) and got[:n] != got[n:2 * n]
+    assert PromptStream(list(range(n)), seed, position=5).take(9) == expected[5:14]
+
+
+def test_a_lone_replica_writes_its_state_marker_every_few_seconds_and_when_it_stops(tmp_path, monkeypatch):
+    from pipeline.sampler import claims as claims_mod
+
+    now = [0.0]
+    monkeypatch.setattr(claims_mod.time, "monotonic", lambda: now[0])
+    run = RunDir(f"file://{tmp_path / 'run'}")
+    alone = DrawClaims(run, "sampler-0")
+    key = RunDir.sampler_state_marker("sampler-0")
+    for k in range(4):  # four batches in one second
+        now[0] += 0.25
+        alone.release(alone.next(), batch_s=0.25)
+    assert (run.marker(key) or {}).get("batches") is None  # nobody else reads it: not yet written
+    now[0] += claims_mod.SAVE_ALONE_S
+    alone.release(alone.next(), batch_s=0.25)
+    assert run.marker(key)["batches"] == 5
+    alone.release(alone.next(), batch_s=0.25)
+    alone.flush()  # the sampler stops
+    assert {k: run.marker(key)[k] for k in ("last_draw", "batches", "holding")} == {"last_draw": 5, "batches": 6,
+                                                                                 "holding": None}
+    assert DrawClaims(run, "sampler-0").batches == 6  # a restarted replica goes on counting
+
+
+class _Writer:
+    def __init__(self):
+        self.groups_written = self.pending = 0
+
+    def pending_groups(self) -> int:
+        return self.pending
+
+
+class _Buffer:
+    def __init__(self):
+        self.committed = self.reads = 0
+
+    def committed_groups(self) -> int:
+        self.reads += 1
+        return self.committed
+
+
+def _sampler(monkeypatch, replicas: int = 1, **buffer_cfg):
+    from types import SimpleNamespace
+
+    from pipeline.config import BufferConfig
+    from pipeline.sampler import loop as loop_mod
+
+    now = [0.0]
+    monkeypatch.setattr(loop_mod.time, "monotonic", lambda: now[0])
+    s = object.__new__(loop_mod.Sampler)
+    s.writer, s.buffer = _Writer(), _Buffer()
+    s.claims = SimpleNamespace(alone=replicas == 1)
+    s.cfg = SimpleNamespace(buffer=BufferConfig(**buffer_cfg))
+    s._counted, s._counted_at = 0, -loop_mod.RECOUNT_S
+    return s, now, loop_mod.RECOUNT_S
+
+
+def test_a_lone_replica_counts_the_groups_ahead_of_it_and_reads_the_log_every_few_seconds(monkeypatch):
+    s, now, recount = _sampler(monkeypatch)
+    s.buffer.committed = 40  # committed by an earlier process of this replica
+    assert s._groups_ahead() == 40 and s.buffer.reads == 1
+    for _ in range(5):  # five batches of 16 groups, each handed to the writer, two still in it
+        s.writer.groups_written += 16
+        now[0] += recount / 10
+    s.writer.pending, s.buffer.committed = 32, 88
+    assert s._groups_ahead() == 120 and s.buffer.reads == 1  # counted, not read
+    now[0] += recount
+    assert s._groups_ahead() == 120 and s.buffer.reads == 2  # read again: the same number
+
+    for replicas, cfg in ((2, {}), (1, {"max_fresh_backlog": 64}), (1, {"samples_per_insert": 2.0})):
+        s, now, _ = _sampler(monkeypatch, replicas, **cfg)  # others commit too, or a bound on the trainer reads the log
+        s._groups_ahead(), s._groups_ahead()
+        assert s.buffer.reads == 2

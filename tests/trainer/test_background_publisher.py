@@ -1,5 +1,6 @@
 """The trainer's publication thread: versions in order, a waiting one replaced by a newer one,
-retention every keep_policy_versions publications and at the end, failures surfaced."""
+retention after keep_policy_versions publications (at most every RETAIN_EVERY_S) and at the end,
+failures surfaced."""
 
 import threading
 
@@ -34,7 +35,8 @@ def retentions(monkeypatch):
     return calls
 
 
-def test_a_version_waiting_behind_an_upload_is_replaced_by_the_newer_one(retentions):
+def test_a_version_waiting_behind_an_upload_is_replaced_by_the_newer_one(retentions, monkeypatch):
+    monkeypatch.setattr(publish_mod, "RETAIN_EVERY_S", 0.0)
     store = SlowStore()
     pub = BackgroundPublisher(store, TrainerConfig(keep_policy_versions=2))
     pub.submit(1, None, None, {}, {"w": 1})
@@ -45,6 +47,20 @@ def test_a_version_waiting_behind_an_upload_is_replaced_by_the_newer_one(retenti
     pub.close()
     assert store.published == [(1, 1), (3, 3)] and pub.replaced == 1
     assert retentions == [[(1, 1), (3, 3)]]  # after the second publication; none left for close
+
+
+def test_retention_waits_for_its_interval_and_the_end_applies_it(retentions, monkeypatch):
+    monkeypatch.setattr(publish_mod, "RETAIN_EVERY_S", 3600.0)
+    store = SlowStore()
+    store.release.set()
+    pub = BackgroundPublisher(store, TrainerConfig(keep_policy_versions=2))
+    for v in range(1, 6):
+        pub.submit(v, None, None, {}, {"w": v})
+        while len(store.published) < v:  # each one published before the next is queued
+            threading.Event().wait(0.01)
+    assert retentions == []  # 5 publications, keep 2: due, but not within the interval
+    pub.close()
+    assert len(retentions) == 1 and retentions[0] == [(v, v) for v in range(1, 6)]
 
 
 def test_a_failed_publication_fails_the_trainer_when_it_closes_the_publisher(retentions):

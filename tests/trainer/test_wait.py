@@ -95,3 +95,50 @@ def test_gate_waits_are_paced_the_same_way(clock):
     assert run.gate_checks < 150 and run.stop_checks <= 60 / RunDir.STOP_CHECK_S + 1
     with pytest.raises(TimeoutError, match="replay gate 0 stayed closed"):
         wait_for_gate(Run(clock), 0, poll_s=0.02, timeout_s=5)
+
+
+class MarkingBuffer:
+    def __init__(self):
+        self.marks: list[dict] = []
+
+    def mark_consumed(self, cursor: dict) -> None:
+        self.marks.append(cursor)
+
+
+def test_consumption_is_recorded_every_few_seconds_and_at_a_flush_unless_a_bound_reads_it(monkeypatch):
+    from pipeline.config import BufferConfig
+
+    now = [0.0]
+    monkeypatch.setattr(loop.time, "monotonic", lambda: now[0])
+    buf = MarkingBuffer()
+    marks = loop.ConsumedMarks(buf, BufferConfig())
+    for step in range(1, 11):  # ten steps of 0.5 s
+        now[0] += 0.5
+        marks.consumed({"seq": step, "group": 0})
+    assert [m["seq"] for m in buf.marks] == [4, 8]  # every MARK_EVERY_S = 2 s
+    marks.flush()  # a checkpoint, or the end of the loop
+    marks.flush()
+    assert [m["seq"] for m in buf.marks] == [4, 8, 10]
+    marks.consumed({"seq": 11, "group": 0})
+    marks.recorded()  # promote committed the cursor itself
+    marks.flush()
+    assert len(buf.marks) == 3
+
+    bounded = MarkingBuffer()
+    every = loop.ConsumedMarks(bounded, BufferConfig(max_fresh_backlog=64))  # the rate limiter reads the marks
+    for step in range(1, 4):
+        every.consumed({"seq": step, "group": 0})
+    assert [m["seq"] for m in bounded.marks] == [1, 2, 3]
+
+
+def test_a_trainer_about_to_wait_for_fresh_groups_first_records_what_it_consumed(clock, monkeypatch):
+    """Else a sampler held back by the `l1_max_rows` bound would wait for a mark that never comes."""
+    from pipeline.config import BufferConfig
+
+    monkeypatch.setattr(loop.time, "monotonic", lambda: 0.0)  # well within MARK_EVERY_S of the last mark
+    marking = MarkingBuffer()
+    marks = loop.ConsumedMarks(marking, BufferConfig())
+    marks.consumed({"seq": 7, "group": 0})
+    assert marking.marks == []
+    wait_for_groups(Buffer(clock, at=clock.now + 1), Run(clock), None, 1, poll_s=0.02, timeout_s=600, marks=marks)
+    assert marking.marks == [{"seq": 7, "group": 0}]
