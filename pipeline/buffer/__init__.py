@@ -26,11 +26,11 @@ orphans after `orphan_grace_s`. See buffer.py for the API.
 from .actions import AddShard, LogEntry, MarkConsumed, Quarantine, RecordReplays, RemoveShard
 from .buffer import ReplayBuffer, parse_cursor
 from .log import CommitConflict, CommitLog
-from .ratelimit import RateLimiter
+from .ratelimit import RateLimiter, bounds_consumer_progress
 from .replay import ReplayBatch
 from .shards import CorruptShard
 from .writer import ShardWriter
 
-__all__ = ["ReplayBuffer", "ShardWriter", "ReplayBatch", "RateLimiter", "CommitLog", "CommitConflict",
-           "CorruptShard", "parse_cursor", "AddShard", "RemoveShard", "RecordReplays", "MarkConsumed", "Quarantine",
-           "LogEntry"]
+__all__ = ["ReplayBuffer", "ShardWriter", "ReplayBatch", "RateLimiter", "bounds_consumer_progress", "CommitLog",
+           "CommitConflict", "CorruptShard", "parse_cursor", "AddShard", "RemoveShard", "RecordReplays", "MarkConsumed",
+           "Quarantine", "LogEntry"]

@@ -12,7 +12,8 @@ Three bounds, each off unless configured (`BufferConfig`):
 
 Consumption is what the trainer records in the log (`promote(..., cursor=...)` or
 `mark_consumed`); a trainer that records nothing makes the first two bounds block for ever, which is
-why the wait names the bound and the numbers. Staleness (policy versions) is bounded by the
+why the wait names the bound and the numbers. With either of them set the trainer records it after
+every step, else every few seconds (`bounds_consumer_progress`). Staleness (policy versions) is bounded by the
 sampler itself, where the versions are known.
 """
 
@@ -23,6 +24,13 @@ from typing import TYPE_CHECKING, Callable
 
 if TYPE_CHECKING:
     from .buffer import ReplayBuffer
+
+
+def bounds_consumer_progress(cfg) -> bool:
+    """Whether a bound of `cfg` (a BufferConfig) reads the consumer's progress from the log
+    (`samples_per_insert`, `max_fresh_backlog`): the trainer then records its consumption after
+    every step, and a lone sampler reads the log before every batch."""
+    return cfg.samples_per_insert is not None or cfg.max_fresh_backlog is not None
 
 
 class RateLimiter:

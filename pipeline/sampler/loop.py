@@ -23,7 +23,7 @@ import uuid
 import zlib
 from datetime import datetime, timezone
 
-from ..buffer import ReplayBuffer
+from ..buffer import ReplayBuffer, bounds_consumer_progress
 from ..buffer.schema import content_hash, to_table
 from ..config import validate_name
 from ..data import PromptRow, filter_overlong, load_prompts
@@ -201,10 +201,9 @@ class Sampler:
         the count of the last reading plus the groups it has handed to its writer since. It reads
         the log again (on object storage a request per new entry and one more) at most every
         RECOUNT_S, which also keeps the `l1_max_rows` bound's view of the buffer that fresh. The
-        bounds on the trainer's progress (`samples_per_insert`, `max_fresh_backlog`) read it each time."""
+        bounds on the trainer's progress (`bounds_consumer_progress`) read it each time."""
         written = self.writer.groups_written
-        bc = self.cfg.buffer
-        if (self.claims.alone and bc.samples_per_insert is None and bc.max_fresh_backlog is None
+        if (self.claims.alone and not bounds_consumer_progress(self.cfg.buffer)
                 and time.monotonic() - self._counted_at < RECOUNT_S):
             return self._counted + written
         pending = self.writer.pending_groups()  # read first: a commit meanwhile is counted twice, not missed

@@ -28,7 +28,7 @@ import time
 import pyarrow as pa
 import torch
 
-from ..buffer import ReplayBuffer
+from ..buffer import ReplayBuffer, bounds_consumer_progress
 from ..devices import set_threads
 from ..lineage import LineageWriter, NullLineage
 from ..models import load_model, load_tokenizer
@@ -94,16 +94,16 @@ class _Wait:
 class ConsumedMarks:
     """The trainer's L1 position recorded in the buffer log (`ReplayBuffer.mark_consumed`).
 
-    A rate-limiter bound that reads it (`buffer.samples_per_insert`, `buffer.max_fresh_backlog`)
-    gets it after every step. Otherwise it is recorded at most every MARK_EVERY_S, before the
-    trainer waits for fresh groups, at every checkpoint and at the end of the loop: each mark is a commit, on object storage a write for the
-    trainer and a read for every other process of the run. Compaction and the `l1_max_rows` bound
-    then see the trainer's progress up to that much later; a resumed trainer starts from its
-    checkpoint's cursor either way."""
+    A rate-limiter bound that reads it (`bounds_consumer_progress`) gets it after every step.
+    Otherwise it is recorded at most every MARK_EVERY_S, before the trainer waits for fresh
+    groups, at every checkpoint and at the end of the loop: each mark is a commit, on object
+    storage a write for the trainer and a read for every other process of the run. Compaction and
+    the `l1_max_rows` bound then see the trainer's progress up to that much later; a resumed
+    trainer starts from its checkpoint's cursor either way."""
 
     def __init__(self, buffer: ReplayBuffer, bc):
         self.buffer = buffer
-        self.every_s = 0.0 if bc.samples_per_insert is not None or bc.max_fresh_backlog is not None else MARK_EVERY_S
+        self.every_s = 0.0 if bounds_consumer_progress(bc) else MARK_EVERY_S
         self._cursor: dict | None = None
         self._at = time.monotonic()
 
