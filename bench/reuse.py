@@ -19,14 +19,15 @@ the replay-off run reaches, less `--slack` of its gain (so noise in one evaluati
 it): target = before + (1 - slack) * (best_off - before).
 
 The pair of runs is repeated for each of `--seeds` seeds (config `seed`: prompt order and
-sampling), each seed with its own target. Keys: per seed (`seeds`: one object each)
-reuse_rate_off / reuse_rate_on = samples trained (fresh + replayed) / samples generated;
+sampling), each seed with its own target: one seed's ratio swings by +-0.2 (a first crossing of a
+curve that replay makes bumpier), so only a median over several says anything. Keys: per seed
+(`seeds`: one object each) reuse_rate_off / reuse_rate_on = samples trained (fresh + replayed) / samples generated;
 gen_tokens_to_target_off / _on = generated tokens when the first evaluated version reaches the
 target (null if never); tokens_ratio_on_off; target; the evaluated curves and wall times. Over the
 seeds: `median_*` of the token counts, of the ratio and of the walls, and `spread_*` [min, max].
 Goal: reuse_rate_on >= 2 and median gen_tokens_to_target_on <= 0.7 x median _off.
 
-    .venv/bin/python bench/reuse.py [--seeds 3] [--steps 60] [--eval-every 5] [--replay-every 1]
+    .venv/bin/python bench/reuse.py [--seeds 5] [--first-seed 0] [--steps 60] [--eval-every 5] [--replay-every 1]
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ import argparse
 import json
 import logging
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -99,7 +101,8 @@ def tokens_to(curve: list[dict], target: float) -> int | None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--config", default=str(ROOT / "configs" / "tiny-grpo.yaml"))
-    ap.add_argument("--seeds", type=int, default=3, help="pairs of runs, with seeds 0 .. N-1")
+    ap.add_argument("--seeds", type=int, default=5, help="pairs of runs, with seeds first .. first+N-1")
+    ap.add_argument("--first-seed", type=int, default=0, help="e.g. 5 for seeds no earlier run was looked at")
     ap.add_argument("--steps", type=int, default=60, help="fresh trainer steps of each run")
     ap.add_argument("--eval-every", type=int, default=5, help="evaluate every k-th policy version")
     ap.add_argument("--replay-every", type=int, default=1, help="fresh steps between replay epochs")
@@ -119,7 +122,12 @@ def main() -> None:
           "buffer.max_replays_per_group=2"]
     root = args.dir or tempfile.mkdtemp(prefix="bench-reuse-")
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    seeds = [one_seed(args, seed, off, on, os.path.join(root, f"{stamp}-seed{seed}")) for seed in range(args.seeds)]
+    try:
+        seeds = [one_seed(args, seed, off, on, os.path.join(root, f"{stamp}-seed{seed}"))
+                 for seed in range(args.first_seed, args.first_seed + args.seeds)]
+    finally:
+        if not args.dir:  # ~250 MB of run directories per seed
+            shutil.rmtree(root, ignore_errors=True)
     line = {"seeds": seeds, "steps": args.steps, "replay_every": args.replay_every}
     for key in ("gen_tokens_to_target_off", "gen_tokens_to_target_on", "tokens_ratio_on_off", "reuse_rate_on",
                 "wall_s_off", "wall_s_on"):
