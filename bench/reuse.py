@@ -21,10 +21,10 @@ it): target = before + (1 - slack) * (best_off - before).
 The pair of runs is repeated for each of `--seeds` seeds (config `seed`: prompt order and
 sampling), each seed with its own target: one seed's ratio swings by +-0.2 (a first crossing of a
 curve that replay makes bumpier), so only a median over several says anything. Keys: per seed
-(`seeds`: one object each) reuse_rate_off / reuse_rate_on = samples trained (fresh + replayed) / samples generated;
-gen_tokens_to_target_off / _on = generated tokens when the first evaluated version reaches the
-target (null if never); tokens_ratio_on_off; target; the evaluated curves and wall times. Over the
-seeds: `median_*` of the token counts, of the ratio and of the walls, and `spread_*` [min, max].
+(`seeds`: one object each) reuse_rate_off / reuse_rate_on = samples trained (fresh + replayed) /
+samples generated; gen_tokens_to_target_off / _on = generated tokens when the first evaluated
+version reaches the target (null if never); tokens_ratio_on_off; target; the evaluated curves and
+wall times. Over the seeds: `median_*` of the token counts, of the ratio and of the walls, and `spread_*` [min, max].
 Goal: reuse_rate_on >= 2 and median gen_tokens_to_target_on <= 0.7 x median _off.
 
     .venv/bin/python bench/reuse.py [--seeds 5] [--first-seed 0] [--steps 60] [--eval-every 5] [--replay-every 1]

@@ -112,7 +112,8 @@ class RunDir:
     STOP_MARKER = "stop"
     """Written to stop the run: the sampler, the trainer and waiting sensors obey it (`request_stop`)."""
     STOP_CHECK_S = 0.5
-    """A waiting sampler or trainer looks for the stop marker at most this often (seconds)."""
+    """A waiting trainer looks for the stop marker at most this often (seconds); a sampler, for which
+    a late stop costs at most a batch nobody trains on, every `pipeline.sampler.loop.STOP_CHECK_S`."""
     TRAINER_DONE_MARKER = "trainer_done"
     """Written by the trainer after its last step: {"step", "replay_epochs_skipped"}."""
     TRAINER_RENDEZVOUS_MARKER = "trainer_rendezvous"
