@@ -96,9 +96,10 @@ class ReplayBuffer:
             return self.log.commit(actions, precondition, writer)
 
     # writing ----------------------------------------------------------------------------------
-    def writer(self, writer_id: str) -> ShardWriter:
-        """An asynchronous L1 writer (background thread, queue of `config.writer_queue` shards)."""
-        return ShardWriter(self, writer_id, self.config.writer_queue, self.config.shard_compression)
+    def writer(self, writer_id: str, admit=None) -> ShardWriter:
+        """An asynchronous L1 writer (background thread, queue of `config.writer_queue` shards);
+        `admit` checks each shard against the groups committed before it (see writer.py)."""
+        return ShardWriter(self, writer_id, self.config.writer_queue, self.config.shard_compression, admit)
 
     # reading ----------------------------------------------------------------------------------
     def _load(self, info: ShardInfo) -> pa.Table:

@@ -6,32 +6,55 @@ commit is in flight are committed together in one log entry (group commit), and 
 on the disk (fsync) or the network overlaps the encoding of the next shards, so a slow store costs
 fewer round trips instead of more waiting. `write` blocks only when the queue is full: that
 back-pressure is the point of bounding it.
+
+A writer given an `admit` check (several sampler replicas use one for the staleness bound) commits
+a shard only if the check passes with the number of L1 groups committed before it, and drops it
+otherwise (its file deleted, its tag in `dropped`). The check runs as the commit's precondition:
+a commit succeeds only as the entry right after the state the check saw, and after a lost race it
+runs again on the refreshed state, so it sees exactly the groups committed before the shard, every
+other writer's included.
 """
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Callable
 
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from ..storage import join
 from .actions import AddShard
+from .log import CommitConflict
 from .shards import conform, encode, group_layout, new_shard_path, policy_range, validate_writer_id, write_shard
 
 if TYPE_CHECKING:
     from .buffer import ReplayBuffer
 
+log = logging.getLogger(__name__)
 _STOP = object()
+# admit(groups committed to L1 before the shard, its log action) -> may it be committed there?
+Admit = Callable[[int, AddShard], bool]
+
+
+class _Refused(CommitConflict):
+    """The admit check refused some of a commit's shards (`refused`) at the position they would take."""
+
+    def __init__(self, refused: list[AddShard]):
+        super().__init__(f"{len(refused)} shard(s) refused by the admit check")
+        self.refused = refused
 
 
 class ShardWriter:
     """Commits rollout shards to L1 from background threads. Not shared between threads."""
 
-    def __init__(self, buffer: "ReplayBuffer", writer_id: str, queue_size: int, compression: str):
+    def __init__(self, buffer: "ReplayBuffer", writer_id: str, queue_size: int, compression: str,
+                 admit: Admit | None = None):
         self.buffer = buffer
+        self.admit = admit  # read at each commit: may be set (never unset) while the writer runs
         self.writer_id = validate_writer_id(writer_id)
         self.compression = compression
         self._tables: queue.Queue = queue.Queue(maxsize=queue_size)
@@ -42,6 +65,7 @@ class ShardWriter:
         self.rows_written = 0
         self._pending = 0  # groups handed to write() and not yet committed (or failed)
         self.groups_written = 0  # groups handed to write() since it was opened
+        self.dropped: list[Any] = []  # the tags of the shards the admit check refused, in commit order
         self._pending_lock = threading.Lock()
         self._threads = [
             threading.Thread(target=self._encode_loop, name=f"buffer-encode-{writer_id}", daemon=True),
@@ -50,8 +74,8 @@ class ShardWriter:
         for t in self._threads:
             t.start()
 
-    def write(self, table: pa.Table) -> None:
-        """Queue a shard of whole groups in the rollout schema."""
+    def write(self, table: pa.Table, tag: Any = None) -> None:
+        """Queue a shard of whole groups in the rollout schema; `tag` names it in `dropped`."""
         self._raise_if_failed()
         if self._closed:
             raise RuntimeError(f"buffer writer {self.writer_id!r} is closed")
@@ -62,7 +86,7 @@ class ShardWriter:
         with self._pending_lock:
             self._pending += groups
         self.groups_written += groups
-        self._tables.put(table)
+        self._tables.put((table, tag))
 
     def pending_groups(self) -> int:
         """Groups queued by `write` that are not committed yet."""
@@ -104,7 +128,7 @@ class ShardWriter:
                     self._files.put(_STOP)
                     return
                 if self._error is None:
-                    self._files.put(self._prepare(item))
+                    self._files.put((self._prepare(item[0]), item[1]))
             except BaseException as e:  # surfaced on the caller's next write/flush/close
                 self._error = e
             finally:
@@ -128,18 +152,54 @@ class ShardWriter:
                     batch.append(self._files.get_nowait())
                 except queue.Empty:
                     break
-            actions = [a for a in batch if a is not _STOP]
-            stop = len(actions) < len(batch)
+            items = [b for b in batch if b is not _STOP]
+            stop = len(items) < len(batch)
             try:
-                if actions and self._error is None:
+                if items and self._error is None:
                     t0 = time.perf_counter()
-                    self.buffer.commit(actions, writer=self.writer_id)
+                    committed = self._commit(dict(items))
                     self.commits.append(time.perf_counter() - t0)
-                    self.rows_written += sum(a.rows for a in actions)
+                    self.rows_written += sum(a.rows for a in committed)
             except BaseException as e:
                 self._error = e
             finally:
                 with self._pending_lock:
-                    self._pending -= sum(a.num_groups for a in actions)
+                    self._pending -= sum(a.num_groups for a, _ in items)
                 for _ in batch:
                     self._files.task_done()
+
+    def _commit(self, tags: dict[AddShard, Any]) -> list[AddShard]:
+        """Commit the shards as one entry, less those the admit check refuses; returns those committed."""
+        actions, admit = list(tags), self.admit
+        if admit is None:
+            self.buffer.commit(actions, writer=self.writer_id)
+            return actions
+
+        def check(st) -> None:
+            position, refused = st.l1_groups_added, []
+            for a in actions:
+                if admit(position, a):
+                    position += a.num_groups
+                else:
+                    refused.append(a)
+            if refused:
+                raise _Refused(refused)
+
+        while actions:
+            try:
+                self.buffer.commit(actions, precondition=check, writer=self.writer_id)
+                return actions
+            except _Refused as e:
+                for a in e.refused:
+                    self._drop(a, tags[a])
+                actions = [a for a in actions if a not in e.refused]
+        return []
+
+    def _drop(self, action: AddShard, tag: Any) -> None:
+        log.warning("buffer writer %s: shard %s (%d groups) refused by the admit check; dropped",
+                    self.writer_id, action.path, action.num_groups)
+        self.dropped.append(tag)
+        try:  # no entry names it: nobody reads it (else vacuum removes it as an orphan)
+            self.buffer.fs.rm(join(self.buffer.root, action.path))
+        except OSError as e:
+            log.warning("buffer writer %s: could not delete %s (%s); vacuum will", self.writer_id, action.path, e)

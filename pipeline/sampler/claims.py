@@ -14,7 +14,7 @@ hold below its own: their groups will most likely be committed first (`Sampler.a
 counts while it is younger than `hold_expiry_s` of its replica's last batch time: a replica lost
 while holding a draw reserves its place only that long, and a replica restarted under the same id
 drops its predecessor's hold at once. A hold that expired while its replica still runs costs
-nothing but the check at handover, which drops a batch that would arrive past the bound.
+nothing but the check at commit, which drops a batch that would arrive past the bound.
 """
 
 from __future__ import annotations

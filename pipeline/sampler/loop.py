@@ -8,9 +8,11 @@ It runs until the stop marker appears or the trainer is done. Each iteration:
 4. generate `group_size` completions for each of `prompts_per_batch` prompts, record the
    behaviour log-probs and the policy version, score the batch (`pipeline.scoring`: a rule
    reward in a worker process with per-sample time limits, or the reward model);
-5. hand the shard (whole groups) to the buffer's asynchronous writer, unless other replicas have
-   meanwhile committed so much that it would arrive past the staleness bound (then it is dropped
-   and counted: `sampler/dropped_stale`), and release the draw.
+5. hand the shard (whole groups) to the buffer's asynchronous writer and release the draw. With
+   other replicas, the writer commits it only if it still arrives within the staleness bound,
+   counting exactly what every replica committed before it (the commit's precondition); if the
+   others have pushed it past the bound meanwhile, it is dropped and counted
+   (`sampler/dropped_stale`, and an `event: dropped_stale` record naming the draw).
 """
 
 from __future__ import annotations
@@ -165,7 +167,7 @@ class Sampler:
         self.stream = PromptStream(prompts, cfg.seed)
         self.claims = DrawClaims(self.run, sampler_id, sc.replicas)
         self.params = GenParams(max_new_tokens=sc.max_new_tokens, temperature=sc.temperature, top_p=sc.top_p)
-        self.dropped = 0
+        self._dropped_logged = 0  # of writer.dropped (the draws refused at commit)
         self.delay_s = injected_delay(sampler_id)
         self.limiter = self.buffer.rate_limiter()
         self.waited = self.reload_s = 0.0  # since the last logged batch
@@ -183,16 +185,28 @@ class Sampler:
                     self.reload_s += self.backend.load_weights(lease.path)
                     self.version = lease.version
 
-    def ahead(self, draw: int | None = None, handover: bool = False) -> int:
+    def ahead(self, draw: int | None = None) -> int:
         """Versions past the staleness bound's reference that a batch would arrive at: its groups
         come after every committed group, after this replica's own groups still in the writer,
-        and (before generating: `handover` False) after the draws other replicas hold below
-        `draw` (the next draw it would claim, with `draw` None)."""
-        sc = self.cfg.sampler
-        position = self._groups_ahead()
-        if not handover:
-            position += sc.prompts_per_batch * self.claims.held_below(draw)
+        and after the draws other replicas hold below `draw` (the next draw it would claim, with
+        `draw` None)."""
+        position = self._groups_ahead() + self.cfg.sampler.prompts_per_batch * self.claims.held_below(draw)
         return batch_ahead(position, self.cfg.trainer.groups_per_step, self.version)
+
+    def _admit(self, groups_before: int, shard) -> bool:
+        """The writer's check at commit: the shard is within the staleness bound at the place it takes."""
+        return batch_ahead(groups_before, self.cfg.trainer.groups_per_step,
+                           shard.policy_versions[0]) <= self.cfg.sampler.max_staleness
+
+    def _log_dropped(self) -> int:
+        """Record the draws the writer refused since the last call; returns how many it refused in all."""
+        dropped = self.writer.dropped
+        for d in dropped[self._dropped_logged:]:
+            log.warning("sampler %s: draw %d would have arrived past sampler.max_staleness; dropped",
+                        self.sampler_id, d)
+            self.metrics.log({"event": "dropped_stale", "sampler/dropped_draw": d})
+        self._dropped_logged = len(dropped)
+        return len(dropped)
 
     def _groups_ahead(self) -> int:
         """Groups committed to L1 by every writer, and this replica's still in its writer.
@@ -264,18 +278,14 @@ class Sampler:
         gen_s = time.time() - t0
         scored, reward_s = _score(self.scorer, batch, groups, self.metrics)
         rows, rewards, tokens = _rows(batch, prompt_ids, groups, scored, self.version, self.sampler_id)
-        # else other replicas committed past it meanwhile (alone, only its own groups are ahead: counted before)
-        kept = self.claims.alone or self.ahead(handover=True) <= sc.max_staleness
-        if not kept:
-            self.dropped += 1
-            log.warning("sampler %s: draw %d would arrive past sampler.max_staleness; dropped", self.sampler_id, draw)
-        else:
-            self.writer.write(to_table(rows))
+        if not self.claims.alone:  # others commit too: the writer checks the bound where the shard lands
+            self.writer.admit = self._admit  # (alone, the count before claiming covered all ahead of it)
+        self.writer.write(to_table(rows), tag=draw)
         t1 = time.time()
         self.claims.release(draw, t1 - t0)
         record = {
-            "sampler/batch": self.claims.batches, "sampler/draw": draw, "sampler/dropped_stale": self.dropped,
-            "sampler/policy_version": self.version, "sampler/samples": len(rows) if kept else 0,
+            "sampler/batch": self.claims.batches, "sampler/draw": draw, "sampler/dropped_stale": self._log_dropped(),
+            "sampler/policy_version": self.version, "sampler/samples": len(rows),
             "sampler/gen_tokens": tokens, "reward/mean": sum(rewards) / len(rewards),
             "timing_s/generate": gen_s, "timing_s/reward": reward_s, "timing_s/batch": t1 - t0,
             **scored.metrics(),
@@ -300,7 +310,10 @@ class Sampler:
                     self.metrics.log(record)
                 self.reload_if_newer()
         finally:
-            self.writer.close()
+            try:
+                self.writer.close()
+            finally:
+                self._log_dropped()
             self.claims.flush()
             self.metrics.flush()
             self.backend.close()

@@ -1,6 +1,7 @@
 """L1: asynchronous writes, whole groups in commit order, cursors that make consumption exactly-once."""
 
 import json
+import threading
 
 import pyarrow as pa
 import pytest
@@ -133,3 +134,47 @@ def test_opening_reads_a_checkpoint_not_the_whole_log(buffer_url, small_config):
     # checkpoint at 20 + entries 21..23
     assert fresh.log.files_read == 4
     assert fresh.fresh_backlog(None) == 23
+
+
+def test_an_admit_check_sees_the_groups_another_process_committed_since_the_writer_last_looked(buffer_url):
+    ours, theirs = ReplayBuffer(buffer_url), ReplayBuffer(buffer_url)
+    assert ours.committed_groups() == 0  # our view of the log, before the other process commits
+    _write(theirs, "other", [make_groups("o", 4)])
+    seen = []
+
+    def admit(before, shard):  # room for 6 groups in all
+        seen.append(before)
+        return before + shard.num_groups <= 6
+
+    with ours.writer("w0", admit=admit) as w:
+        w.write(make_groups("a", 2), tag="a")
+        w.flush()
+        w.write(make_groups("b", 2), tag="b")
+    assert w.dropped == ["b"] and w.pending_groups() == 0 and w.rows_written == 8
+    assert 4 in seen and seen[-1] == 6  # "a" was checked at 4 (not at our stale 0), "b" at 6
+    assert ReplayBuffer(buffer_url).committed_groups() == 6
+    report = ReplayBuffer(buffer_url).verify()
+    assert report["ok"] and report["unreferenced_files"] == 0  # the refused shard's file is gone
+
+
+def test_writers_racing_under_an_admit_check_commit_exactly_what_it_allows(buffer_url):
+    """Two writers, each with its own view of the log, hand over shards as fast as they can: the
+    check runs where each shard lands, so exactly the allowed number of groups is committed."""
+    cap, per_writer = 7, 10
+    writers = [ReplayBuffer(buffer_url).writer(f"w{i}", admit=lambda before, shard: before + shard.num_groups <= cap)
+               for i in range(2)]
+
+    def hand_over(i):
+        for k in range(per_writer):
+            writers[i].write(make_groups(f"w{i}-{k}", 1), tag=k)
+
+    threads = [threading.Thread(target=hand_over, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for w in writers:
+        w.close()
+    assert ReplayBuffer(buffer_url).committed_groups() == cap
+    assert sum(len(w.dropped) for w in writers) == 2 * per_writer - cap
+    assert ReplayBuffer(buffer_url).verify()["unreferenced_files"] == 0

@@ -46,13 +46,14 @@ def test_three_sampler_replicas_share_the_work_and_a_slow_one_holds_back_no_othe
     summary = json.loads((run_dir / "summary.json").read_text())
 
     committed = collections.Counter(row["sampler_id"] for row in {r["group_id"]: r for r in _archived(run)}.values())
-    batches = {sid: [r for r in run.read_metrics(sid) if "sampler/draw" in r]
-               for sid in ("sampler-0", "sampler-1", "sampler-2")}
-    # Every batch a replica made was either committed whole or dropped and counted.
+    streams = {sid: run.read_metrics(sid) for sid in ("sampler-0", "sampler-1", "sampler-2")}
+    batches = {sid: [r for r in records if "sampler/draw" in r] for sid, records in streams.items()}
+    # Every batch a replica made was either committed whole or dropped at commit and named.
     for sid, records in batches.items():
-        kept = [r for r in records if r["sampler/samples"]]
-        assert committed[sid] == len(kept) * cfg.sampler.prompts_per_batch, (sid, committed)
-        assert (records[-1]["sampler/dropped_stale"] if records else 0) == len(records) - len(kept)
+        made = {r["sampler/draw"] for r in records}
+        dropped = [r["sampler/dropped_draw"] for r in streams[sid] if r.get("event") == "dropped_stale"]
+        assert set(dropped) <= made and len(dropped) == len(set(dropped)), (sid, dropped)
+        assert committed[sid] == (len(made) - len(dropped)) * cfg.sampler.prompts_per_batch, (sid, committed)
     # The fast replicas made the batches the slow one could not.
     assert len(batches["sampler-2"]) < min(len(batches["sampler-0"]), len(batches["sampler-1"])), batches
     assert committed["sampler-0"] > 0 and committed["sampler-1"] > 0
