@@ -157,7 +157,7 @@ class ShardWriter:
             try:
                 if items and self._error is None:
                     t0 = time.perf_counter()
-                    committed = self._commit(dict(items))
+                    committed = self._commit(items)
                     self.commits.append(time.perf_counter() - t0)
                     self.rows_written += sum(a.rows for a in committed)
             except BaseException as e:
@@ -168,9 +168,10 @@ class ShardWriter:
                 for _ in batch:
                     self._files.task_done()
 
-    def _commit(self, tags: dict[AddShard, Any]) -> list[AddShard]:
+    def _commit(self, items: list[tuple[AddShard, Any]]) -> list[AddShard]:
         """Commit the shards as one entry, less those the admit check refuses; returns those committed."""
-        actions, admit = list(tags), self.admit
+        actions, admit = [a for a, _ in items], self.admit
+        tags = {a.path: tag for a, tag in items}
         if admit is None:
             self.buffer.commit(actions, writer=self.writer_id)
             return actions
@@ -191,12 +192,12 @@ class ShardWriter:
                 return actions
             except _Refused as e:
                 for a in e.refused:
-                    self._drop(a, tags[a])
+                    self._drop(a, tags[a.path])
                 actions = [a for a in actions if a not in e.refused]
         return []
 
     def _drop(self, action: AddShard, tag: Any) -> None:
-        log.warning("buffer writer %s: shard %s (%d groups) refused by the admit check; dropped",
+        log.info("buffer writer %s: shard %s (%d groups) refused by the admit check; dropped",
                     self.writer_id, action.path, action.num_groups)
         self.dropped.append(tag)
         try:  # no entry names it: nobody reads it (else vacuum removes it as an orphan)
