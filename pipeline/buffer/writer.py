@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from ..storage import join
+from ..storage import delete, join
 from .actions import AddShard
 from .log import CommitConflict
 from .shards import conform, encode, group_layout, new_shard_path, policy_range, validate_writer_id, write_shard
@@ -172,9 +172,6 @@ class ShardWriter:
         """Commit the shards as one entry, less those the admit check refuses; returns those committed."""
         actions, admit = [a for a, _ in items], self.admit
         tags = {a.path: tag for a, tag in items}
-        if admit is None:
-            self.buffer.commit(actions, writer=self.writer_id)
-            return actions
 
         def check(st) -> None:
             position, refused = st.l1_groups_added, []
@@ -186,9 +183,9 @@ class ShardWriter:
             if refused:
                 raise _Refused(refused)
 
-        while actions:
+        while actions:  # without a check, the log's add-only append (no precondition)
             try:
-                self.buffer.commit(actions, precondition=check, writer=self.writer_id)
+                self.buffer.commit(actions, precondition=None if admit is None else check, writer=self.writer_id)
                 return actions
             except _Refused as e:
                 for a in e.refused:
@@ -198,9 +195,9 @@ class ShardWriter:
 
     def _drop(self, action: AddShard, tag: Any) -> None:
         log.info("buffer writer %s: shard %s (%d groups) refused by the admit check; dropped",
-                    self.writer_id, action.path, action.num_groups)
+                 self.writer_id, action.path, action.num_groups)
         self.dropped.append(tag)
         try:  # no entry names it: nobody reads it (else vacuum removes it as an orphan)
-            self.buffer.fs.rm(join(self.buffer.root, action.path))
+            delete(self.buffer.fs, join(self.buffer.root, action.path))
         except OSError as e:
             log.warning("buffer writer %s: could not delete %s (%s); vacuum will", self.writer_id, action.path, e)
