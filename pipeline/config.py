@@ -121,6 +121,8 @@ class SamplerConfig(_Section):
     top_p: float = Field(1.0, gt=0, le=1)
     max_staleness: int = Field(2, ge=0)
     """The sampler waits rather than produce data more than this many versions behind the trainer."""
+    fixed_lag: bool = False
+    """Generate each batch with the oldest policy version the staleness bound admits for it (the first the trainer publishes at or after its step minus `max_staleness`) rather than the newest: the data, and so the run, do not depend on how fast storage or the sampler is (a reproducible run; every version is then published, none replaced by a newer one). One replica; when the sampler is the bottleneck the newest version is fresher at no cost."""
     replicas: int = Field(1, ge=1, le=64)
     """Sampler processes (Airflow: mapped tasks), each its own buffer writer; they claim prompt draws, so none is drawn twice and a slow or lost one holds back no other."""
     threads: int = Field(1, gt=0)
@@ -315,7 +317,20 @@ class RunConfig(_Section):
                 "version must be published at least every max_staleness + 1 steps, or the run stalls; lower "
                 "trainer.sync_every or raise sampler.max_staleness"
             )
+        if self.sampler.fixed_lag:
+            self._check_fixed_lag()
         return self
+
+    def _check_fixed_lag(self) -> None:
+        s, t = self.sampler, self.trainer
+        if s.replicas > 1:
+            raise ValueError(f"sampler.fixed_lag with sampler.replicas={s.replicas}: the batches of several replicas "
+                             "land in an order timing decides, so the schedule is for one replica")
+        if t.keep_policy_versions * t.sync_every <= s.max_staleness:
+            raise ValueError(
+                f"sampler.fixed_lag with trainer.keep_policy_versions={t.keep_policy_versions}, trainer.sync_every="
+                f"{t.sync_every} and sampler.max_staleness={s.max_staleness}: the version a batch is scheduled on "
+                "is up to max_staleness steps old, so keep_policy_versions * sync_every must be above it")
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)

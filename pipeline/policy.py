@@ -226,9 +226,9 @@ class PolicyStore:
 
     # loading ----------------------------------------------------------------------------------
     @contextlib.contextmanager
-    def lease_latest(self, holder: str, version: int | None = None) -> Iterator[PolicyLease]:
-        """The newest version (or `version`, e.g. the one `latest.json` just named), which `retain`
-        does not delete while `holder`'s lease names it: load it inside. The lease stays after the
+    def lease_latest(self, holder: str, version: int | None = None, exact: bool = False) -> Iterator[PolicyLease]:
+        """The newest version (or `version`, e.g. the one `latest.json` just named; with `exact`, that
+        one or FileNotFoundError), which `retain` does not delete while `holder`'s lease names it: load it inside. The lease stays after the
         block (the holder runs the version it loaded) until the holder's next lease overwrites it,
         `release` removes it, or it is older than LEASE_TTL_S: one request per load.
 
@@ -239,7 +239,7 @@ class PolicyStore:
         holder's lease is removed instead, once."""
         lease = self._lease(holder)
         for attempt in range(LEASE_ATTEMPTS):
-            if attempt or version is None:
+            if version is None or (attempt and not exact):
                 version = self.latest()
             if version is None:
                 raise FileNotFoundError(f"{self.run.url}: no policy version is published")
@@ -257,6 +257,8 @@ class PolicyStore:
             try:
                 folder = self.local_dir(version)
             except FileNotFoundError:
+                if exact:
+                    raise
                 log.info("policy v%d was deleted before it could be loaded; taking the newest again", version)
                 continue
             with self._pinned(folder) as pinned:

@@ -96,6 +96,18 @@ def test_a_loader_whose_version_was_deleted_takes_the_newest_one(model_dir, tmp_
         assert lease.version == 3 and load_state_dict(lease.path)
 
 
+def test_an_exact_lease_of_a_deleted_version_fails_instead_of_taking_the_newest(model_dir, tmp_path):
+    store = _store(str(tmp_path / "run-1"))
+    for v in range(4):
+        store.publish_folder(v, model_dir)
+    store.retain(1, protected={0})
+    with store.lease_latest("sampler-0", 3, exact=True) as lease:
+        assert lease.version == 3
+    with pytest.raises(FileNotFoundError, match="policy version 1 is not published"):
+        with store.lease_latest("sampler-0", 1, exact=True):
+            pass
+
+
 def test_local_copies_of_a_remote_run_stay_bounded_and_a_held_copy_is_kept(model_dir):
     store = _store(f"memory://policy-test-{uuid.uuid4().hex}/run-1")
     store.publish_folder(0, model_dir)

@@ -75,13 +75,13 @@ class SamplerBackend(ABC):
         """For each prompt (token ids), `n` completions (one when `params.greedy`), in prompt order.
 
         Prompt i of this call is seeded with `base + i`, where base is `params.seed` when given and
-        otherwise advances with every call; the samples of a prompt do not depend on how the call
+        otherwise `call_seed` of this call's number; the samples of a prompt do not depend on how the call
         was split into engine calls.
         """
         if not prompts:
             return []
         self._calls += 1
-        base = params.seed if params.seed is not None else self.generator_seed * 100003 + self._calls * 7919
+        base = params.seed if params.seed is not None else self.call_seed(self._calls)
         n_eff = 1 if params.greedy else n
         sizes: list[int] = []
 
@@ -102,6 +102,11 @@ class SamplerBackend(ABC):
             "sampler/engine_calls": float(len(sizes)),
         })
         return results
+
+    def call_seed(self, k: int) -> int:
+        """The seed base of generate call k (from 1) when `GenParams.seed` is not given. A caller
+        that numbers its calls itself (the sampler, by prompt draw) passes this as the seed."""
+        return self.generator_seed * 100003 + k * 7919
 
     def load_weights(self, policy_dir: str) -> float:
         """Replace the engine's weights in place with those of `policy_dir` (a local HF folder

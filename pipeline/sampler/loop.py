@@ -2,10 +2,13 @@
 
 It runs until the stop marker appears or the trainer is done. Each iteration:
 1. load the newest published policy version in place (no restart), under a lease that keeps
-   retention from deleting it meanwhile (looked for after each batch and while waiting);
+   retention from deleting it meanwhile (looked for after each batch and while waiting); with
+   `sampler.fixed_lag`, the version the schedule names for the next batch instead: the first
+   published at or after its step minus `max_staleness`, so that timing never changes the data;
 2. wait while it is more than `max_staleness` versions ahead of the trainer (the rate limiter);
 3. claim the run's next prompt draw (`claims.py`: replicas never draw the same batch twice);
-4. generate `group_size` completions for each of `prompts_per_batch` prompts, record the
+4. generate `group_size` completions for each of `prompts_per_batch` prompts (seeded by the draw,
+   so a restarted sampler does not repeat its predecessor's sampling noise), record the
    behaviour log-probs and the policy version, score the batch (`pipeline.scoring`: a rule
    reward in a worker process with per-sample time limits, or the reward model);
 5. hand the shard (whole groups) to the buffer's asynchronous writer and release the draw. With
@@ -17,6 +20,7 @@ It runs until the stop marker appears or the trainer is done. Each iteration:
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import random
@@ -34,6 +38,7 @@ from ..models import load_tokenizer, render_prompt
 from ..policy import PolicyStore
 from ..rundir import RunDir
 from ..scoring import BatchScores, RewardError, RewardSample, RewardScorer, check_sources
+from ..trainer.phases import phase_end_steps
 from .backend import GenParams, make_backend
 from .claims import DrawClaims
 
@@ -61,6 +66,15 @@ def batch_ahead(groups_committed: int, groups_per_step: int, policy_version: int
     with `policy_version`, its staleness at consumption is the difference. This is the one place
     the staleness bound is computed for the sampler."""
     return groups_committed // groups_per_step - policy_version
+
+
+def scheduled_version(cfg, groups_committed: int) -> int:
+    """`sampler.fixed_lag`: the version the next batch is generated with, the first the trainer
+    publishes (v0, every `sync_every` steps, each phase's end) at or after the oldest the
+    staleness bound admits for it."""
+    tc = cfg.trainer
+    oldest = max(0, batch_ahead(groups_committed, tc.groups_per_step, 0) - cfg.sampler.max_staleness)
+    return min([-(-oldest // tc.sync_every) * tc.sync_every, *(p for p in phase_end_steps(tc) if p >= oldest)])
 
 
 class PromptStream:
@@ -178,6 +192,8 @@ class Sampler:
         self.scorer = RewardScorer(cfg.reward, dtype=cfg.model.dtype)  # a rule reward's worker loads meanwhile
 
     def reload_if_newer(self) -> None:
+        if self.cfg.sampler.fixed_lag:
+            return  # throttled() loads the version the schedule names, when it is published
         newer = self.store.published_after(self.version)
         if newer is not None:
             with self.store.lease_latest(self.sampler_id, newer) as lease:
@@ -185,13 +201,32 @@ class Sampler:
                     self.reload_s += self.backend.load_weights(lease.path)
                     self.version = lease.version
 
+    def _position(self, draw: int | None = None) -> int:
+        """The groups a batch would come after: every committed group, this replica's own groups
+        still in the writer, and the draws other replicas hold below `draw` (the next draw it would
+        claim, with `draw` None)."""
+        return self._groups_ahead() + self.cfg.sampler.prompts_per_batch * self.claims.held_below(draw)
+
     def ahead(self, draw: int | None = None) -> int:
-        """Versions past the staleness bound's reference that a batch would arrive at: its groups
-        come after every committed group, after this replica's own groups still in the writer,
-        and after the draws other replicas hold below `draw` (the next draw it would claim, with
-        `draw` None)."""
-        position = self._groups_ahead() + self.cfg.sampler.prompts_per_batch * self.claims.held_below(draw)
-        return batch_ahead(position, self.cfg.trainer.groups_per_step, self.version)
+        """Versions past the staleness bound's reference that a batch would arrive at."""
+        return batch_ahead(self._position(draw), self.cfg.trainer.groups_per_step, self.version)
+
+    def _on_schedule(self, draw: int | None = None) -> bool:
+        """`sampler.fixed_lag`: run the version the schedule names for the batch (loaded here once
+        published); False while it is not published yet."""
+        want = scheduled_version(self.cfg, self._position(draw))
+        if want == self.version:
+            return True
+        if self.store.published_after(want - 1) is None:
+            return False
+        try:
+            with self.store.lease_latest(self.sampler_id, want, exact=True) as lease:
+                self.reload_s += self.backend.load_weights(lease.path)
+        except FileNotFoundError as e:
+            raise RuntimeError(f"sampler.fixed_lag: policy v{want}, scheduled for the next batch, is no longer "
+                               f"published ({e}); raise trainer.keep_policy_versions") from e
+        self.version = want
+        return True
 
     def _admit(self, groups_before: int, shard) -> bool:
         """The writer's check at commit: the shard is within the staleness bound at the place it takes."""
@@ -230,6 +265,8 @@ class Sampler:
         """Too far ahead of the trainer (staleness bound) or of the buffer's rate limiter, for the
         draw it holds or else the next one it would claim."""
         sc = self.cfg.sampler
+        if sc.fixed_lag and not self._on_schedule(draw):
+            return True
         if self._stale_at == self.version and self.claims.alone:
             # Past the staleness bound at this version, alone: the groups ahead of its next batch only
             # grow, so only a newer policy lets it go on (no need to read the log until then).
@@ -274,7 +311,8 @@ class Sampler:
         self.stream.position = draw * sc.prompts_per_batch
         batch = self.stream.take(sc.prompts_per_batch)
         prompt_ids = [tok(render_prompt(tok, p.messages), add_special_tokens=False)["input_ids"] for p in batch]
-        groups = self.backend.generate(prompt_ids, sc.group_size, self.params)
+        groups = self.backend.generate(prompt_ids, sc.group_size,
+                                       dataclasses.replace(self.params, seed=self.backend.call_seed(draw + 1)))
         gen_s = time.time() - t0
         scored, reward_s = _score(self.scorer, batch, groups, self.metrics)
         rows, rewards, tokens = _rows(batch, prompt_ids, groups, scored, self.version, self.sampler_id)

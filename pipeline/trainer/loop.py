@@ -347,7 +347,7 @@ class Trainer:
         log.info("trainer: %d steps of %d groups, algorithm %s, %d phase(s), %d replay epoch(s), world size %d",
                  tc.steps, tc.groups_per_step, tc.algorithm, tc.phases, tc.replay_epochs, world.size)
         ok = False
-        publisher = BackgroundPublisher(self.store, tc) if world.is_main else None
+        publisher = BackgroundPublisher(self.store, tc, replace=not self.cfg.sampler.fixed_lag) if world.is_main else None
         try:
             while st.step < tc.steps:
                 rec = self.fresh_step()

@@ -5,7 +5,9 @@ rank 0 and committed as `policy/v<step>/` through `PolicyStore.publish_model` (s
 config + tokenizer, manifest last). In the trainer that happens on rank 0's `BackgroundPublisher`
 thread, with the retention after it: the next step trains while the version uploads (on object
 storage a publication is a dozen requests, longer than a small model's step). A version that is
-still waiting when a newer one comes is replaced by it (samplers load the newest anyway); a failed
+still waiting when a newer one comes is replaced by it (samplers load the newest anyway), unless
+the sampler runs on a fixed lag (`sampler.fixed_lag`: it loads a given version), when the trainer waits
+for the thread to take the one queued instead; a failed
 publication fails the trainer at its next publication or at its end. The checkpoint closing a phase becomes `policy/v<step>` through
 `PolicyStore.publish_checkpoint`, which the orchestrator calls (the DAG's reshard task, the local
 runner's `advance`), not the trainer.
@@ -60,11 +62,12 @@ def publish_policy(run: RunDir, version: int, actor, tokenizer, world: World, me
 
 
 class BackgroundPublisher:
-    """Rank 0's publication thread: `submit` queues a version (replacing one still waiting),
-    the thread publishes it and applies the retention; `close` waits for what is queued."""
+    """Rank 0's publication thread: `submit` queues a version (replacing one still waiting, or
+    with `replace` False waiting until the thread has taken it), the thread publishes it and
+    applies the retention; `close` waits for what is queued."""
 
-    def __init__(self, store: PolicyStore, tc: TrainerConfig):
-        self.store, self.tc = store, tc
+    def __init__(self, store: PolicyStore, tc: TrainerConfig, replace: bool = True):
+        self.store, self.tc, self.replace = store, tc, replace
         self._cond = threading.Condition()
         self._queued: tuple | None = None
         self._closed = False
@@ -77,6 +80,8 @@ class BackgroundPublisher:
 
     def submit(self, version: int, model, tokenizer, meta: dict, weights: dict) -> None:
         with self._cond:
+            while not self.replace and self._queued is not None and self._error is None:
+                self._cond.wait()
             self._raise_if_failed()
             self.replaced += self._queued is not None
             self._queued = (version, model, tokenizer, meta, weights)
@@ -110,6 +115,7 @@ class BackgroundPublisher:
                 if self._queued is None:
                     return
                 (version, model, tokenizer, meta, weights), self._queued = self._queued, None
+                self._cond.notify_all()
             try:
                 if self.store.publish_model(version, model, tokenizer, meta, weights=weights):
                     self.published += 1
@@ -120,6 +126,7 @@ class BackgroundPublisher:
             except BaseException as e:  # surfaced on the trainer's next submit or close
                 with self._cond:
                     self._error = e
+                    self._cond.notify_all()
 
 
 def prune_policies(store: PolicyStore, tc: TrainerConfig) -> list[int]:

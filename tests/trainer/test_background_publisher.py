@@ -1,4 +1,5 @@
-"""The trainer's publication thread: versions in order, a waiting one replaced by a newer one,
+"""The trainer's publication thread: versions in order, a waiting one replaced by a newer one
+(or, for a sampler on a fixed lag, the trainer held until it is taken),
 retention after keep_policy_versions publications (at most every RETAIN_EVERY_S) and at the end,
 failures surfaced."""
 
@@ -47,6 +48,22 @@ def test_a_version_waiting_behind_an_upload_is_replaced_by_the_newer_one(retenti
     pub.close()
     assert store.published == [(1, 1), (3, 3)] and pub.replaced == 1
     assert retentions == [[(1, 1), (3, 3)]]  # after the second publication; none left for close
+
+
+def test_without_replacement_the_trainer_waits_and_every_version_is_published(retentions):
+    store = SlowStore()
+    pub = BackgroundPublisher(store, TrainerConfig(keep_policy_versions=2), replace=False)
+    pub.submit(1, None, None, {}, {"w": 1})
+    assert store.started.wait(timeout=30)  # v1 is uploading
+    pub.submit(2, None, None, {}, {"w": 2})  # queued
+    third = threading.Thread(target=pub.submit, args=(3, None, None, {}, {"w": 3}))
+    third.start()
+    third.join(timeout=0.3)
+    assert third.is_alive()  # v2 still waits: the trainer is held rather than v2 replaced
+    store.release.set()
+    third.join(timeout=30)
+    pub.close()
+    assert store.published == [(1, 1), (2, 2), (3, 3)] and pub.replaced == 0
 
 
 def test_retention_waits_for_its_interval_and_the_end_applies_it(retentions, monkeypatch):
