@@ -223,6 +223,8 @@ class Sampler:
             with self.store.lease_latest(self.sampler_id, want, exact=True) as lease:
                 self.reload_s += self.backend.load_weights(lease.path)
         except FileNotFoundError as e:
+            if want in phase_end_steps(self.cfg.trainer):
+                return False  # a phase's version: its reshard task publishes it after the trainer has gone on
             raise RuntimeError(f"sampler.fixed_lag: policy v{want}, scheduled for the next batch, is no longer "
                                f"published ({e}); raise trainer.keep_policy_versions") from e
         self.version = want

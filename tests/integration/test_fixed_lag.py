@@ -34,7 +34,9 @@ def test_a_slow_sampler_on_a_fixed_lag_makes_the_same_run(tmp_path, spawn):
     slow_versions, slow_losses = _run(spawn, tmp_path / "slow", delay_s=0.3)
     assert any(v > max(0, d - 2) for d, v in slow_versions.items()), slow_versions
     assert slow_losses != losses
-    # On a fixed lag the slow sampler generates the same draws from the same versions.
-    fixed_versions, fixed_losses = _run(spawn, tmp_path / "fixed", "sampler.fixed_lag=true", delay_s=0.3)
+    # On a fixed lag the slow sampler generates the same draws from the same versions, in two phases
+    # too (v3 closes phase 1; the trainer goes on while the runner publishes it, and draw 5 waits for it).
+    fixed_versions, fixed_losses = _run(spawn, tmp_path / "fixed", "sampler.fixed_lag=true", "trainer.phases=2",
+                                        delay_s=0.3)
     assert all(fixed_versions[d] == versions[d] for d in range(6)), (fixed_versions, versions)
     assert fixed_losses == losses
