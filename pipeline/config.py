@@ -122,7 +122,7 @@ class SamplerConfig(_Section):
     max_staleness: int = Field(2, ge=0)
     """The sampler waits rather than produce data more than this many versions behind the trainer."""
     fixed_lag: bool = False
-    """Generate each batch with the oldest policy version the staleness bound admits for it (the first the trainer publishes at or after its step minus `max_staleness`) rather than the newest: the data, and so the run, do not depend on how fast storage or the sampler is (a reproducible run; every version is then published, none replaced by a newer one). One replica; when the sampler is the bottleneck the newest version is fresher at no cost."""
+    """Generate each batch with the oldest policy version the staleness bound admits for it (the first the trainer publishes at or after its step minus `max_staleness`) rather than the newest: the data, and so the run, do not depend on how fast storage or the sampler is (a reproducible run; every version is then published, none replaced by a newer one). For one replica: several land their batches in an order timing decides, so they take the newest version. When the sampler is the bottleneck the newest version is fresher at no cost."""
     replicas: int = Field(1, ge=1, le=64)
     """Sampler processes (Airflow: mapped tasks), each its own buffer writer; they claim prompt draws, so none is drawn twice and a slow or lost one holds back no other."""
     threads: int = Field(1, gt=0)
@@ -323,9 +323,6 @@ class RunConfig(_Section):
 
     def _check_fixed_lag(self) -> None:
         s, t = self.sampler, self.trainer
-        if s.replicas > 1:
-            raise ValueError(f"sampler.fixed_lag with sampler.replicas={s.replicas}: the batches of several replicas "
-                             "land in an order timing decides, so the schedule is for one replica")
         if t.keep_policy_versions * t.sync_every <= s.max_staleness:
             raise ValueError(
                 f"sampler.fixed_lag with trainer.keep_policy_versions={t.keep_policy_versions}, trainer.sync_every="

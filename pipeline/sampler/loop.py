@@ -3,7 +3,7 @@
 It runs until the stop marker appears or the trainer is done. Each iteration:
 1. load the newest published policy version in place (no restart), under a lease that keeps
    retention from deleting it meanwhile (looked for after each batch and while waiting); with
-   `sampler.fixed_lag`, the version the schedule names for the next batch instead: the first
+   `sampler.fixed_lag` (a replica alone), the version the schedule names for the next batch: the first
    published at or after its step minus `max_staleness`, so that timing never changes the data;
 2. wait while it is more than `max_staleness` versions ahead of the trainer (the rate limiter);
 3. claim the run's next prompt draw (`claims.py`: replicas never draw the same batch twice);
@@ -189,10 +189,19 @@ class Sampler:
         self._stale_at: int | None = None  # the policy version at which the staleness bound held it
         self._counted, self._counted_at = 0, -RECOUNT_S  # see _groups_ahead
         log.info("sampler %s: policy v%d, backend %s, %d prompts", sampler_id, self.version, sc.backend, len(prompts))
+        if sc.fixed_lag and not self.claims.alone:
+            log.warning("sampler %s: sampler.fixed_lag holds for one replica; with %d each loads the newest version",
+                        sampler_id, sc.replicas)
         self.scorer = RewardScorer(cfg.reward, dtype=cfg.model.dtype)  # a rule reward's worker loads meanwhile
 
+    @property
+    def fixed_lag(self) -> bool:
+        """`sampler.fixed_lag`, for a replica alone (the batches of several land in an order timing
+        decides: they take the newest version)."""
+        return self.cfg.sampler.fixed_lag and self.claims.alone
+
     def reload_if_newer(self) -> None:
-        if self.cfg.sampler.fixed_lag:
+        if self.fixed_lag:
             return  # throttled() loads the version the schedule names, when it is published
         newer = self.store.published_after(self.version)
         if newer is not None:
@@ -267,7 +276,7 @@ class Sampler:
         """Too far ahead of the trainer (staleness bound) or of the buffer's rate limiter, for the
         draw it holds or else the next one it would claim."""
         sc = self.cfg.sampler
-        if sc.fixed_lag and not self._on_schedule(draw):
+        if self.fixed_lag and not self._on_schedule(draw):
             return True
         if self._stale_at == self.version and self.claims.alone:
             # Past the staleness bound at this version, alone: the groups ahead of its next batch only
