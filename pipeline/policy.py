@@ -228,9 +228,10 @@ class PolicyStore:
     @contextlib.contextmanager
     def lease_latest(self, holder: str, version: int | None = None, exact: bool = False) -> Iterator[PolicyLease]:
         """The newest version (or `version`, e.g. the one `latest.json` just named; with `exact`, that
-        one or FileNotFoundError), which `retain` does not delete while `holder`'s lease names it: load it inside. The lease stays after the
-        block (the holder runs the version it loaded) until the holder's next lease overwrites it,
-        `release` removes it, or it is older than LEASE_TTL_S: one request per load.
+        one or FileNotFoundError), which `retain` does not delete while `holder`'s lease names it:
+        load it inside. The lease stays after the block (the holder runs the version it loaded)
+        until the holder's next lease overwrites it, `release` removes it, or it is older than
+        LEASE_TTL_S: one request per load.
 
         The lease is written before the manifest is read. `retain` removes a manifest before it
         reads the leases, so either it sees this lease and keeps the files, or the manifest was

@@ -226,14 +226,18 @@ class Sampler:
         want = scheduled_version(self.cfg, self._position(draw))
         if want == self.version:
             return True
-        if self.store.published_after(want - 1) is None:
+        # The trainer publishes its in-phase versions in order: one named by latest.json or newer is
+        # there. A phase's version comes from its reshard task, after the trainer has gone on; it is
+        # never deleted.
+        if want in phase_end_steps(self.cfg.trainer):
+            if not self.store.exists(want):
+                return False
+        elif self.store.published_after(want - 1) is None:
             return False
         try:
             with self.store.lease_latest(self.sampler_id, want, exact=True) as lease:
                 self.reload_s += self.backend.load_weights(lease.path)
         except FileNotFoundError as e:
-            if want in phase_end_steps(self.cfg.trainer):
-                return False  # a phase's version: its reshard task publishes it after the trainer has gone on
             raise RuntimeError(f"sampler.fixed_lag: policy v{want}, scheduled for the next batch, is no longer "
                                f"published ({e}); raise trainer.keep_policy_versions") from e
         self.version = want
