@@ -7,8 +7,8 @@ version.
 
     resume from the newest complete checkpoint (weights, optimizer, scheduler, RNG, L1 cursor)
     for each fresh step:
-        read groups_per_step groups from the cursor -> train_step -> rank 0: promote to L2 and
-        record the cursor in the buffer
+        read groups_per_step groups from the cursor (read while the step before trained, feed.py)
+        -> train_step -> rank 0: promote to L2 and record the cursor in the buffer
         replay epochs due now: wait for the gate, draw by priority, train with the importance
         weights, write new priorities back
         phase end: checkpoint + phase marker | every checkpoint_every: checkpoint
@@ -25,10 +25,9 @@ import os
 import signal
 import time
 
-import pyarrow as pa
 import torch
 
-from ..buffer import ReplayBuffer, bounds_consumer_progress
+from ..buffer import ReplayBuffer
 from ..devices import set_threads
 from ..lineage import LineageWriter, NullLineage
 from ..models import load_model, load_tokenizer
@@ -41,6 +40,7 @@ from .batch import collate
 from .checkpoint import TrainerState, latest_checkpoint, load_checkpoint, save_checkpoint
 from .critic import ActorCritic, ValueHead
 from .distributed import World, init_world, shard
+from .feed import ConsumedMarks, FreshFeed, TrainerStopped, wait_for_gate
 from .phases import phase_end_steps, replay_epoch_steps
 from .publish import BackgroundPublisher, publish_policy
 from .precision import Precision
@@ -48,13 +48,6 @@ from .step import train_step
 
 log = logging.getLogger("rlhf.trainer")
 FAULT_ENV = "RLHF_TRAINER_KILL_AFTER_STEP"  # fault injection for the resume tests: SIGKILL after step N
-MARK_EVERY_S = 2.0
-
-
-class TrainerStopped(Exception):
-    """The stop marker appeared while waiting for data or a replay gate."""
-
-
 class NullMetrics:
     """Metrics of ranks other than 0: same methods, no output."""
 
@@ -63,93 +56,6 @@ class NullMetrics:
 
     def flush(self) -> None:
         pass
-
-
-class _Wait:
-    """The pace of a trainer's wait: it polls every `poll_s` at first, then every quarter of the
-    time waited so far, up to `RunDir.STOP_CHECK_S` (a new batch is picked up at most a quarter
-    later than it would be otherwise; an idle wait costs few requests), and looks for the stop
-    marker at most every `RunDir.STOP_CHECK_S` and before it times out."""
-
-    def __init__(self, run: RunDir, poll_s: float, timeout_s: float):
-        self.run, self.poll_s, self.timeout_s = run, poll_s, timeout_s
-        self.t0 = self.stop_checked = time.time()
-
-    def waited(self) -> float:
-        return time.time() - self.t0
-
-    def sleep(self, timeout_message) -> None:
-        """Raise TrainerStopped or TimeoutError (`timeout_message()`), else sleep before the next poll."""
-        now = time.time()
-        waited = now - self.t0
-        if waited > self.timeout_s or now - self.stop_checked >= RunDir.STOP_CHECK_S:
-            self.stop_checked = now
-            if self.run.stop_requested():
-                raise TrainerStopped()
-        if waited > self.timeout_s:
-            raise TimeoutError(timeout_message())
-        time.sleep(max(self.poll_s, min(waited / 4, RunDir.STOP_CHECK_S)))
-
-
-class ConsumedMarks:
-    """The trainer's L1 position recorded in the buffer log (`ReplayBuffer.mark_consumed`).
-
-    A rate-limiter bound that reads it (`bounds_consumer_progress`) gets it after every step.
-    Otherwise it is recorded at most every MARK_EVERY_S, before the trainer waits for fresh
-    groups, at every checkpoint and at the end of the loop: each mark is a commit, on object
-    storage a write for the trainer and a read for every other process of the run. Compaction and
-    the `l1_max_rows` bound then see the trainer's progress up to that much later; a resumed
-    trainer starts from its checkpoint's cursor either way."""
-
-    def __init__(self, buffer: ReplayBuffer, bc):
-        self.buffer = buffer
-        self.every_s = 0.0 if bounds_consumer_progress(bc) else MARK_EVERY_S
-        self._cursor: dict | None = None
-        self._at = time.monotonic()
-
-    def consumed(self, cursor: dict) -> None:
-        self._cursor = cursor
-        if time.monotonic() - self._at >= self.every_s:
-            self.flush()
-
-    def recorded(self) -> None:
-        """A commit of the caller's (`promote` with its cursor) has recorded the position."""
-        self._cursor, self._at = None, time.monotonic()
-
-    def flush(self) -> None:
-        if self._cursor is not None:
-            self.buffer.mark_consumed(self._cursor)
-            self.recorded()
-
-
-def wait_for_groups(buffer: ReplayBuffer, run: RunDir, cursor: dict | None, groups: int,
-                    poll_s: float, timeout_s: float, marks: ConsumedMarks | None = None
-                    ) -> tuple[pa.Table, dict | None, float]:
-    """Read exactly `groups` fresh groups (blocking). Returns (table, new cursor, seconds waited).
-    Before it waits, `marks` records what was consumed (a sampler the `l1_max_rows` bound holds
-    back waits for it)."""
-    parts: list[pa.Table] = []
-    have = 0
-    wait = _Wait(run, poll_s, timeout_s)
-    while have < groups:
-        table, cursor = buffer.read_fresh(cursor, groups - have)
-        if table.num_rows:
-            parts.append(table)
-            have += len(set(table.column("group_id").to_pylist()))
-            continue
-        if marks is not None:
-            marks.flush()
-        wait.sleep(lambda: f"no fresh rollouts for {timeout_s:.0f}s (have {have}/{groups} groups); is the sampler "
-                           "running? raise trainer.wait_timeout_s for slow samplers")
-    return pa.concat_tables(parts), cursor, wait.waited()
-
-
-def wait_for_gate(run: RunDir, epoch: int, poll_s: float, timeout_s: float) -> float:
-    wait = _Wait(run, poll_s, timeout_s)
-    while not run.has_marker(RunDir.replay_gate_marker(epoch)):
-        wait.sleep(lambda: f"replay gate {epoch} stayed closed for {timeout_s:.0f}s; the orchestrator opens it "
-                           f"(markers/{RunDir.replay_gate_marker(epoch)}.json) once L2 holds enough eligible groups")
-    return wait.waited()
 
 
 def check_config(cfg) -> None:
@@ -210,6 +116,8 @@ class Trainer:
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lambda n: min(1.0, (n + 1) / warm) if warm else 1.0)
         self.buffer = ReplayBuffer(run.buffer_url, cfg.buffer)
         self.marks = ConsumedMarks(self.buffer, cfg.buffer)
+        self.feed = FreshFeed(self.buffer, run, tc.groups_per_step, cfg.sampler.poll_s, tc.wait_timeout_s,
+                              self.marks if world.is_main else None)
         self.state = TrainerState()
         ck = latest_checkpoint(run)
         if ck is not None:
@@ -228,9 +136,7 @@ class Trainer:
     # one fresh step ---------------------------------------------------------------------------
     def fresh_step(self) -> dict:
         tc, st, world = self.tc, self.state, self.world
-        table, cursor, waited = wait_for_groups(self.buffer, self.run, st.cursor_dict(), tc.groups_per_step,
-                                                self.cfg.sampler.poll_s, tc.wait_timeout_s,
-                                                self.marks if world.is_main else None)
+        table, cursor, waited = self.feed.take(st.cursor_dict(), ahead=st.step + 1 < tc.steps)
         t0 = time.time()
         batch = collate(table, self.tokenizer.pad_token_id)
         version = st.step
@@ -374,6 +280,7 @@ class Trainer:
             log.info("trainer: stop requested at step %d", st.step)
         finally:
             try:
+                self.feed.close()
                 if ok and world.is_main:
                     self.marks.flush()
                 if publisher is not None:

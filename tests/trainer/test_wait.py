@@ -7,8 +7,8 @@ import pyarrow as pa
 import pytest
 
 from pipeline.rundir import RunDir
-from pipeline.trainer import loop
-from pipeline.trainer.loop import TrainerStopped, wait_for_gate, wait_for_groups
+from pipeline.trainer import feed
+from pipeline.trainer.feed import TrainerStopped, wait_for_gate, wait_for_groups
 
 
 class Clock:
@@ -25,8 +25,8 @@ class Clock:
 @pytest.fixture
 def clock(monkeypatch) -> Clock:
     c = Clock()
-    monkeypatch.setattr(loop.time, "time", c.time)
-    monkeypatch.setattr(loop.time, "sleep", c.sleep)
+    monkeypatch.setattr(feed.time, "time", c.time)
+    monkeypatch.setattr(feed.time, "sleep", c.sleep)
     return c
 
 
@@ -109,9 +109,9 @@ def test_consumption_is_recorded_every_few_seconds_and_at_a_flush_unless_a_bound
     from pipeline.config import BufferConfig
 
     now = [0.0]
-    monkeypatch.setattr(loop.time, "monotonic", lambda: now[0])
+    monkeypatch.setattr(feed.time, "monotonic", lambda: now[0])
     buf = MarkingBuffer()
-    marks = loop.ConsumedMarks(buf, BufferConfig())
+    marks = feed.ConsumedMarks(buf, BufferConfig())
     for step in range(1, 11):  # ten steps of 0.5 s
         now[0] += 0.5
         marks.consumed({"seq": step, "group": 0})
@@ -125,7 +125,7 @@ def test_consumption_is_recorded_every_few_seconds_and_at_a_flush_unless_a_bound
     assert len(buf.marks) == 3
 
     bounded = MarkingBuffer()
-    every = loop.ConsumedMarks(bounded, BufferConfig(max_fresh_backlog=64))  # the rate limiter reads the marks
+    every = feed.ConsumedMarks(bounded, BufferConfig(max_fresh_backlog=64))  # the rate limiter reads the marks
     for step in range(1, 4):
         every.consumed({"seq": step, "group": 0})
     assert [m["seq"] for m in bounded.marks] == [1, 2, 3]
@@ -135,9 +135,9 @@ def test_a_trainer_about_to_wait_for_fresh_groups_first_records_what_it_consumed
     """Else a sampler held back by the `l1_max_rows` bound would wait for a mark that never comes."""
     from pipeline.config import BufferConfig
 
-    monkeypatch.setattr(loop.time, "monotonic", lambda: 0.0)  # well within MARK_EVERY_S of the last mark
+    monkeypatch.setattr(feed.time, "monotonic", lambda: 0.0)  # well within MARK_EVERY_S of the last mark
     marking = MarkingBuffer()
-    marks = loop.ConsumedMarks(marking, BufferConfig())
+    marks = feed.ConsumedMarks(marking, BufferConfig())
     marks.consumed({"seq": 7, "group": 0})
     assert marking.marks == []
     wait_for_groups(Buffer(clock, at=clock.now + 1), Run(clock), None, 1, poll_s=0.02, timeout_s=600, marks=marks)

@@ -1,0 +1,189 @@
+"""What the trainer waits on: fresh groups from L1 (read one step ahead) and replay gates.
+
+A fresh step's groups are the next `groups_per_step` whole groups in commit order from the
+trainer's cursor, so which groups step d+1 trains on is known as soon as step d's are read: only
+when they are read can change. `FreshFeed` reads them while step d trains (a thread that waits
+and reads like the step would), and the step takes them when it starts. On object storage the
+reads of a step (the commit log, then its shards: several requests) then cost the trainer
+nothing on its critical path; on a local disk little either way.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pyarrow as pa
+
+from ..buffer import ReplayBuffer, bounds_consumer_progress
+from ..rundir import RunDir
+
+MARK_EVERY_S = 2.0
+
+
+class TrainerStopped(Exception):
+    """The stop marker appeared while waiting for data or a replay gate."""
+
+
+class _Cancelled(Exception):
+    """A read ahead was given up (the trainer ended, or its cursor moved elsewhere)."""
+
+
+class _Wait:
+    """The pace of a trainer's wait: it polls every `poll_s` at first, then every quarter of the
+    time waited so far, up to `RunDir.STOP_CHECK_S` (a new batch is picked up at most a quarter
+    later than it would be otherwise; an idle wait costs few requests), and looks for the stop
+    marker at most every `RunDir.STOP_CHECK_S` and before it times out. With `cancel` set, a
+    sleep ends when it is set and raises `_Cancelled`."""
+
+    def __init__(self, run: RunDir, poll_s: float, timeout_s: float, cancel: threading.Event | None = None):
+        self.run, self.poll_s, self.timeout_s, self.cancel = run, poll_s, timeout_s, cancel
+        self.t0 = self.stop_checked = time.time()
+
+    def waited(self) -> float:
+        return time.time() - self.t0
+
+    def sleep(self, timeout_message) -> None:
+        """Raise TrainerStopped or TimeoutError (`timeout_message()`), else sleep before the next poll."""
+        now = time.time()
+        waited = now - self.t0
+        if waited > self.timeout_s or now - self.stop_checked >= RunDir.STOP_CHECK_S:
+            self.stop_checked = now
+            if self.run.stop_requested():
+                raise TrainerStopped()
+        if waited > self.timeout_s:
+            raise TimeoutError(timeout_message())
+        pause = max(self.poll_s, min(waited / 4, RunDir.STOP_CHECK_S))
+        if self.cancel is None:
+            time.sleep(pause)
+        elif self.cancel.wait(pause):
+            raise _Cancelled()
+
+
+class ConsumedMarks:
+    """The trainer's L1 position recorded in the buffer log (`ReplayBuffer.mark_consumed`).
+
+    A rate-limiter bound that reads it (`bounds_consumer_progress`) gets it after every step.
+    Otherwise it is recorded at most every MARK_EVERY_S, before the trainer waits for fresh
+    groups, at every checkpoint and at the end of the loop: each mark is a commit, on object
+    storage a write for the trainer and a read for every other process of the run. Compaction and
+    the `l1_max_rows` bound then see the trainer's progress up to that much later; a resumed
+    trainer starts from its checkpoint's cursor either way."""
+
+    def __init__(self, buffer: ReplayBuffer, bc):
+        self.buffer = buffer
+        self.every_s = 0.0 if bounds_consumer_progress(bc) else MARK_EVERY_S
+        self._cursor: dict | None = None
+        self._at = time.monotonic()
+
+    def consumed(self, cursor: dict) -> None:
+        self._cursor = cursor
+        if time.monotonic() - self._at >= self.every_s:
+            self.flush()
+
+    def recorded(self) -> None:
+        """A commit of the caller's (`promote` with its cursor) has recorded the position."""
+        self._cursor, self._at = None, time.monotonic()
+
+    def flush(self) -> None:
+        if self._cursor is not None:
+            self.buffer.mark_consumed(self._cursor)
+            self.recorded()
+
+
+def wait_for_groups(buffer: ReplayBuffer, run: RunDir, cursor: dict | None, groups: int,
+                    poll_s: float, timeout_s: float, marks: ConsumedMarks | None = None,
+                    cancel: threading.Event | None = None) -> tuple[pa.Table, dict | None, float]:
+    """Read exactly `groups` fresh groups (blocking). Returns (table, new cursor, seconds waited).
+    Before it waits, `marks` records what was consumed (a sampler the `l1_max_rows` bound holds
+    back waits for it)."""
+    parts: list[pa.Table] = []
+    have = 0
+    wait = _Wait(run, poll_s, timeout_s, cancel)
+    while have < groups:
+        table, cursor = buffer.read_fresh(cursor, groups - have)
+        if table.num_rows:
+            parts.append(table)
+            have += len(set(table.column("group_id").to_pylist()))
+            continue
+        if marks is not None:
+            marks.flush()
+        wait.sleep(lambda: f"no fresh rollouts for {timeout_s:.0f}s (have {have}/{groups} groups); is the sampler "
+                           "running? raise trainer.wait_timeout_s for slow samplers")
+    return pa.concat_tables(parts), cursor, wait.waited()
+
+
+def wait_for_gate(run: RunDir, epoch: int, poll_s: float, timeout_s: float) -> float:
+    wait = _Wait(run, poll_s, timeout_s)
+    while not run.has_marker(RunDir.replay_gate_marker(epoch)):
+        wait.sleep(lambda: f"replay gate {epoch} stayed closed for {timeout_s:.0f}s; the orchestrator opens it "
+                           f"(markers/{RunDir.replay_gate_marker(epoch)}.json) once L2 holds enough eligible groups")
+    return wait.waited()
+
+
+class _ReadAhead:
+    """One read of `groups` groups from `cursor` on a thread of its own."""
+
+    def __init__(self, feed: FreshFeed, cursor: dict | None):
+        self.cursor, self.cancel, self.done = cursor, threading.Event(), threading.Event()
+        self.result: tuple | None = None
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, args=(feed,), name="trainer-read-ahead", daemon=True)
+        self.thread.start()
+
+    def _run(self, feed: FreshFeed) -> None:
+        try:
+            self.result = wait_for_groups(feed.buffer, feed.run, self.cursor, feed.groups, feed.poll_s,
+                                          feed.timeout_s, cancel=self.cancel)
+        except BaseException as e:  # re-raised by the step that takes it
+            self.error = e
+        finally:
+            self.done.set()
+
+    def stop(self) -> None:
+        self.cancel.set()
+        self.thread.join()
+
+
+class FreshFeed:
+    """The groups of each fresh step, the next step's read while this one trains.
+
+    `take(cursor, ahead)` returns (table, next cursor, seconds the caller waited): the read started
+    from `cursor` by the previous take, else one made now; with `ahead`, it then starts reading
+    the next step's groups. A stop marker or a timeout met by a read ahead is raised by the take
+    that wanted it, as it would be by a read made then. Only the caller (`marks`) records what
+    was consumed, before it waits."""
+
+    def __init__(self, buffer: ReplayBuffer, run: RunDir, groups: int, poll_s: float, timeout_s: float,
+                 marks: ConsumedMarks | None = None):
+        self.buffer, self.run, self.groups = buffer, run, groups
+        self.poll_s, self.timeout_s, self.marks = poll_s, timeout_s, marks
+        self._ahead: _ReadAhead | None = None
+
+    def take(self, cursor: dict | None, ahead: bool) -> tuple[pa.Table, dict | None, float]:
+        pending, self._ahead = self._ahead, None
+        if pending is not None and pending.cursor != cursor:
+            pending.stop()  # read from a position the trainer left (it does not, short of a bug)
+            pending = None
+        if pending is None:
+            table, nxt, waited = wait_for_groups(self.buffer, self.run, cursor, self.groups, self.poll_s,
+                                                 self.timeout_s, self.marks)
+        else:
+            t0 = time.time()
+            if not pending.done.is_set():
+                if self.marks is not None:
+                    self.marks.flush()
+                pending.done.wait()
+            waited = time.time() - t0
+            if pending.error is not None:
+                raise pending.error
+            table, nxt, _ = pending.result
+        if ahead:
+            self._ahead = _ReadAhead(self, nxt)
+        return table, nxt, waited
+
+    def close(self) -> None:
+        """Give up a read ahead (the loop ended): its thread ends within one poll."""
+        pending, self._ahead = self._ahead, None
+        if pending is not None:
+            pending.stop()

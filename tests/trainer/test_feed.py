@@ -1,0 +1,123 @@
+"""The trainer's read ahead (`FreshFeed`): step d+1's groups are read while step d trains, and
+they are the groups a read at step d+1 would have returned; a stop or timeout it meets is raised
+by the step that takes it; it ends with the loop."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pyarrow as pa
+import pytest
+
+from pipeline.trainer.feed import FreshFeed, TrainerStopped, wait_for_groups
+
+
+class Run:
+    def __init__(self):
+        self.stop = False
+
+    def stop_requested(self) -> bool:
+        return self.stop
+
+
+class Log:
+    """A commit log of one-group shards g0, g1, ...: `commit()` appends one; reads are counted,
+    and an optional gate holds every read until it is set."""
+
+    def __init__(self, committed: int = 0):
+        self.committed, self.reads, self.lock = committed, [], threading.Lock()
+        self.gate = threading.Event()
+        self.gate.set()
+
+    def commit(self, n: int = 1) -> None:
+        with self.lock:
+            self.committed += n
+
+    def read_fresh(self, cursor, groups):
+        self.gate.wait()
+        seq = (cursor or {"seq": 0})["seq"]
+        with self.lock:
+            self.reads.append((seq, threading.current_thread().name))
+            end = min(self.committed, seq + groups)
+        ids = [f"g{i}" for i in range(seq, end)]
+        return pa.table({"group_id": pa.array(ids, pa.string())}), {"seq": end, "group": 0}
+
+
+class Marks:
+    def __init__(self):
+        self.flushes = 0
+
+    def flush(self) -> None:
+        self.flushes += 1
+
+
+def groups_of(table: pa.Table) -> list[str]:
+    return table.column("group_id").to_pylist()
+
+
+def test_the_next_steps_groups_are_read_while_this_step_trains_and_are_the_same_groups():
+    log = Log(committed=6)
+    feed = FreshFeed(log, Run(), groups=2, poll_s=0.01, timeout_s=60)
+    cursor, batches = None, []
+    for step in range(3):
+        table, cursor, waited = feed.take(cursor, ahead=step < 2)
+        batches.append(groups_of(table))
+        if step < 2:  # the read of the next step is under way (or done) before it is asked for
+            deadline = time.time() + 10
+            while not any(r[0] == cursor["seq"] and r[1] == "trainer-read-ahead" for r in log.reads):
+                assert time.time() < deadline
+                time.sleep(0.005)
+    feed.close()
+    inline = Log(committed=6)
+    expected, c = [], None
+    for _ in range(3):
+        t, c, _ = wait_for_groups(inline, Run(), c, 2, poll_s=0.01, timeout_s=60)
+        expected.append(groups_of(t))
+    assert batches == expected == [["g0", "g1"], ["g2", "g3"], ["g4", "g5"]]
+    assert cursor == {"seq": 6, "group": 0}
+
+
+def test_a_step_whose_groups_are_late_waits_for_them_and_says_how_long_after_recording_its_progress():
+    log, marks = Log(committed=2), Marks()
+    feed = FreshFeed(log, Run(), groups=2, poll_s=0.01, timeout_s=60, marks=marks)
+    _, cursor, _ = feed.take(None, ahead=True)
+    threading.Timer(0.2, log.commit, args=(2,)).start()
+    table, cursor, waited = feed.take(cursor, ahead=False)
+    assert groups_of(table) == ["g2", "g3"] and 0.1 < waited < 5
+    assert marks.flushes >= 1  # a sampler held back by the l1_max_rows bound sees the mark meanwhile
+
+
+def test_a_stop_met_by_the_read_ahead_is_raised_by_the_step_that_takes_it(monkeypatch):
+    from pipeline.rundir import RunDir
+
+    monkeypatch.setattr(RunDir, "STOP_CHECK_S", 0.05)
+    log, run = Log(committed=1), Run()
+    feed = FreshFeed(log, run, groups=1, poll_s=0.01, timeout_s=60)
+    _, cursor, _ = feed.take(None, ahead=True)
+    run.stop = True
+    with pytest.raises(TrainerStopped):
+        feed.take(cursor, ahead=True)
+    feed.close()
+
+
+def test_a_timeout_met_by_the_read_ahead_is_raised_by_the_step_that_takes_it():
+    feed = FreshFeed(Log(committed=1), Run(), groups=1, poll_s=0.01, timeout_s=0.1)
+    _, cursor, _ = feed.take(None, ahead=True)
+    with pytest.raises(TimeoutError, match="no fresh rollouts"):
+        feed.take(cursor, ahead=False)
+
+
+def test_closing_ends_a_read_ahead_that_waits_and_a_take_elsewhere_reads_from_there():
+    log = Log(committed=1)
+    feed = FreshFeed(log, Run(), groups=1, poll_s=0.01, timeout_s=600)
+    _, cursor, _ = feed.take(None, ahead=True)  # reads ahead from g1, which never comes
+    t0 = time.time()
+    feed.close()
+    assert time.time() - t0 < 2 and not any(t.name == "trainer-read-ahead" for t in threading.enumerate())
+
+    log.commit(3)
+    _, cursor, _ = feed.take({"seq": 1, "group": 0}, ahead=True)  # a read ahead from g2 starts
+    table, _, _ = feed.take({"seq": 3, "group": 0}, ahead=False)  # not where it reads: read here
+    assert groups_of(table) == ["g3"]
+    assert not any(t.name == "trainer-read-ahead" for t in threading.enumerate())
