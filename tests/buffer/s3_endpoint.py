@@ -60,9 +60,11 @@ def new_prefix(bucket: str) -> str:
 def _serve() -> None:
     """moto's S3 server on a free port of 127.0.0.1; prints the port, then serves until killed.
 
-    A thread per connection (keep-alive, as moto's own ThreadedMotoServer), but one request at a
-    time: moto checks `If-None-Match: *` and then stores the object, so two create-only PUTs of
-    the same key handled by two threads at once can both succeed, the second replacing the first.
+    A thread per connection (werkzeug's server, as moto's own ThreadedMotoServer; it closes each
+    connection after its response, so every request opens one, where S3 keeps them alive), but
+    one request at a time: moto checks `If-None-Match: *` and then stores the object, so two
+    create-only PUTs of the same key handled by two threads at once can both succeed, the second
+    replacing the first.
     S3 decides such races atomically; serving requests one by one gives moto the same guarantee,
     without which a test of the commit protocol would see commits vanish that S3 would refuse."""
     import threading
