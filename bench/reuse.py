@@ -110,16 +110,17 @@ def main() -> None:
     ap.add_argument("--eval-size", type=int, default=256)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--dir", default=None, help="where the two run directories go (default: a temporary folder)")
-    ap.add_argument("--set", action="append", default=[], help="extra config override for both runs")
+    ap.add_argument("--set", action="append", default=[], help="extra config override for both runs, applied last")
     args = ap.parse_args()
     logging.basicConfig(level=logging.WARNING)
 
     # every version stays (retention would delete all but the newest few before they are evaluated)
     common = [f"trainer.steps={args.steps}", f"data.eval_size={args.eval_size}", "trainer.checkpoint_every=0",
-              f"trainer.keep_policy_versions={args.steps + 1}", *args.set]
-    off = [*common, "trainer.replay_epochs=0"]
+              f"trainer.keep_policy_versions={args.steps + 1}"]
+    # --set comes last in both, so it also overrides what the arms set (e.g. buffer.max_replays_per_group)
+    off = [*common, "trainer.replay_epochs=0", *args.set]
     on = [*common, f"trainer.replay_epochs={max(1, args.steps // args.replay_every)}",
-          "buffer.max_replays_per_group=2"]
+          "buffer.max_replays_per_group=2", *args.set]
     root = args.dir or tempfile.mkdtemp(prefix="bench-reuse-")
     stamp = time.strftime("%Y%m%d-%H%M%S")
     try:
