@@ -161,9 +161,9 @@ class FreshFeed:
         self._ahead: _ReadAhead | None = None
 
     def take(self, cursor: dict | None, ahead: bool) -> tuple[pa.Table, dict | None, float]:
-        pending, self._ahead = self._ahead, None
+        pending = self._ahead
         if pending is not None and pending.cursor != cursor:
-            pending.stop()  # read from a position the trainer left (it does not, short of a bug)
+            self.close()  # read from a position the trainer left (it does not, short of a bug)
             pending = None
         if pending is None:
             table, nxt, waited = wait_for_groups(self.buffer, self.run, cursor, self.groups, self.poll_s,
@@ -173,7 +173,8 @@ class FreshFeed:
             if not pending.done.is_set():
                 if self.marks is not None:
                     self.marks.flush()
-                pending.done.wait()
+                pending.done.wait()  # interrupted (a signal), the read stays for close() to end
+            self._ahead = None
             waited = time.time() - t0
             if pending.error is not None:
                 raise pending.error
