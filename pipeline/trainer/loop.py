@@ -48,6 +48,8 @@ from .step import train_step
 
 log = logging.getLogger("rlhf.trainer")
 FAULT_ENV = "RLHF_TRAINER_KILL_AFTER_STEP"  # fault injection for the resume tests: SIGKILL after step N
+
+
 class NullMetrics:
     """Metrics of ranks other than 0: same methods, no output."""
 
