@@ -183,6 +183,12 @@ class FreshFeed:
             self._ahead = _ReadAhead(self, nxt)
         return table, nxt, waited
 
+    def ready(self) -> bool:
+        """The next step's read has ended (a take now would not wait): its groups are here, or the
+        stop or timeout it met is."""
+        pending = self._ahead
+        return pending is not None and pending.done.is_set()
+
     def close(self) -> None:
         """Give up a read ahead (the loop ended): its thread ends within one poll."""
         pending, self._ahead = self._ahead, None

@@ -188,6 +188,9 @@ class Trainer:
         n = self.buffer.eligible_replay_groups() // tc.groups_per_step
         done = 0
         for i in range(n):
+            if tc.replay_yield and self.feed.ready():
+                log.info("replay epoch %d: the next fresh step's groups are here after %d of %d updates", epoch, i, n)
+                break
             t0 = time.time()
             rb = self.buffer.sample_replay(tc.groups_per_step, step=st.updates,
                                            rng_seed=self.cfg.seed * 1_000_003 + epoch * 10_007 + i)
@@ -195,19 +198,24 @@ class Trainer:
                 break
             batch = collate(rb.table, self.tokenizer.pad_token_id, rb.weights)
             res = train_step(self.actor, self.ref, self.opt, batch, self.tc, self.cfg.sampler.temperature,
-                             world=world, scheduler=self.sched, version=None, precision=self.precision)
+                             world=world, scheduler=self.sched, version=None, precision=self.precision,
+                             lr_scale=tc.replay_lr_scale, rows=tc.replay_rows)
             st.updates += tc.update_epochs
             if world.is_main:
                 index = {g: k for k, g in enumerate(batch.group_ids)}
                 self.buffer.update_priorities(rb.keys, [float(res.priorities[index[k]]) for k in rb.keys])
             world.barrier()  # priorities and replay counts are committed before the next draw
-            self.replayed_samples += rb.table.num_rows
-            self.lineage.add(rb.table, step=st.step, update=st.updates, version=st.step, kind="replay",
-                             stats=res.stats, weights=rb.weights, replay_epoch=epoch)
+            table, weights = rb.table, rb.weights
+            if res.rows is not None:  # the rows trained on (trainer.replay_rows)
+                batch, table, weights = batch.select(res.rows), table.take(res.rows.numpy()), weights[res.rows.numpy()]
+            self.replayed_samples += table.num_rows
+            self.lineage.add(table, step=st.step, update=st.updates, version=st.step, kind="replay",
+                             stats=res.stats, weights=weights, replay_epoch=epoch)
             staleness = st.step - batch.policy_version
-            self._record(batch, res, t0, time.time(), waited if i == 0 else 0.0, rb.table.num_rows, {
+            self._record(batch, res, t0, time.time(), waited if i == 0 else 0.0, table.num_rows, {
                 "staleness/mean": staleness.float().mean().item(), "staleness/max": int(staleness.max()),
-                "replay/is_replay": 1, "replay/epoch": epoch, "replay/weight_mean": float(rb.weights.mean()),
+                "replay/is_replay": 1, "replay/epoch": epoch, "replay/groups": len(rb.keys),
+                "replay/weight_mean": float(weights.mean()),
                 "replay/beta": rb.beta,
             })
             done += 1

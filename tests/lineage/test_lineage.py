@@ -35,7 +35,8 @@ def rlhf(*args, timeout=300):
 def replay_run(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("lineage") / "runs" / "lin"
     p = rlhf("run", "configs/tiny-test.yaml", "--run-dir", f"file://{run_dir}", "--no-progress",
-             "--set", f"trainer.steps={STEPS}", "--set", "trainer.replay_epochs=2", "--set", "model.path=builtin:sort",
+             "--set", f"trainer.steps={STEPS}", "--set", "trainer.replay_epochs=2",
+             "--set", "trainer.replay_rows=positive", "--set", "model.path=builtin:sort",
              "--set", "data.train=builtin:sort", "--set", "data.eval=builtin:sort", "--set", "reward.fn=sort")
     assert p.returncode == 0, p.stderr[-3000:]
     return RunDir(str(run_dir))
@@ -76,6 +77,9 @@ def test_the_ledger_lists_the_groups_the_trainer_consumed(replay_run):
 
     replays = Counter(r["group_id"] for r in ledger if r["kind"] == "replay")
     assert replays and replays == replays_in_buffer_log(run)  # one row per replay the buffer counted
+    # replay_rows=positive: a replay trains the rows that beat their group, never all of a group's rows
+    assert all(0 < r["rows"] < GROUP_SIZE for r in ledger if r["kind"] == "replay")
+    assert all(r["rows"] == GROUP_SIZE for r in fresh)
     assert all(r["group_id"] in committed[:STEPS * GROUPS] for r in ledger)
 
     # one ledger batch per trainer metrics record, with the same rows, kind and reward
@@ -102,7 +106,7 @@ def test_lineage_of_a_version_and_of_a_step_from_the_command_line(replay_run):
         out = json.loads(p.stdout)
         upto = [r for r in records if r["step"] <= version]
         assert out["fresh_uses"] == sum(r["trainer/samples"] for r in upto if not r["replay/is_replay"]) // GROUP_SIZE
-        assert out["replay_uses"] == sum(r["trainer/samples"] for r in upto if r["replay/is_replay"]) // GROUP_SIZE
+        assert out["replay_uses"] == sum(r["replay/groups"] for r in upto if r["replay/is_replay"])
         assert out["groups"] == len(out["rows"]) == len({g for g in groups_in_commit_order(run)[:version * GROUPS]})
     replay_step = next(r["step"] for r in records if r["replay/is_replay"])
     out = json.loads(rlhf("lineage", run.url, "--step", str(replay_step), timeout=120).stdout)

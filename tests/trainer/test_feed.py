@@ -121,3 +121,37 @@ def test_closing_ends_a_read_ahead_that_waits_and_a_take_elsewhere_reads_from_th
     table, _, _ = feed.take({"seq": 3, "group": 0}, ahead=False)  # not where it reads: read here
     assert groups_of(table) == ["g3"]
     assert not any(t.name == "trainer-read-ahead" for t in threading.enumerate())
+
+
+def _until(cond, timeout_s: float = 10.0) -> None:
+    deadline = time.time() + timeout_s
+    while not cond():
+        assert time.time() < deadline, "condition not met in time"
+        time.sleep(0.005)
+
+
+def test_ready_says_whether_the_next_steps_groups_have_arrived():
+    """What `trainer.replay_yield` asks before each replay update: not ready while the next
+    step's groups are still being waited for, ready once they are read, and never without a read
+    ahead (after the last step a replay epoch has no fresh step to give way to)."""
+    log = Log(committed=2)
+    feed = FreshFeed(log, Run(), groups=2, poll_s=0.01, timeout_s=60)
+    assert not feed.ready()
+    _, cursor, _ = feed.take(None, ahead=True)
+    time.sleep(0.1)
+    assert not feed.ready()  # g2, g3 are not committed yet
+    log.commit(2)
+    _until(feed.ready)
+    table, cursor, waited = feed.take(cursor, ahead=False)
+    assert groups_of(table) == ["g2", "g3"] and waited < 1.0
+    assert not feed.ready()
+
+
+def test_ready_when_the_read_ahead_met_a_stop():
+    run = Run()
+    feed = FreshFeed(Log(committed=2), run, groups=2, poll_s=0.01, timeout_s=60)
+    _, cursor, _ = feed.take(None, ahead=True)
+    run.stop = True
+    _until(feed.ready)  # the take would not wait: it raises what the read met
+    with pytest.raises(TrainerStopped):
+        feed.take(cursor, ahead=False)

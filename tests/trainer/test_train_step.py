@@ -1,3 +1,4 @@
+import pytest
 import torch
 from trainer_rollouts import rollout_table
 
@@ -74,3 +75,58 @@ def test_collate_lays_out_prompt_then_response_per_row_and_checks_the_log_probs(
     rows["behavior_logprobs"][2] = [-0.7]
     with pytest.raises(ValueError, match="row 1: 3 response tokens but 1 behaviour log-probs"):
         collate(pa.table(rows).slice(1), pad_id=99)
+
+
+def test_lr_scale_shortens_this_step_only(digit_example):
+    """A replay update with lr_scale s moves the weights s times as far (plain SGD: the same
+    gradient), and the optimizer's learning rate is what it was afterwards."""
+    tok = load_tokenizer(f"{digit_example}/model")
+    batch = collate(_table(tok, [1.0, 0.0, 0.5, 0.0, 1.0, 1.0, 0.0, 0.2]), tok.pad_token_id)
+    moved = {}
+    for scale in (1.0, 0.25):
+        model = load_model(f"{digit_example}/model").train()
+        start = {k: v.clone() for k, v in model.named_parameters()}
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        train_step(ActorCritic(model), None, opt, batch, TrainerConfig(), temperature=1.0, lr_scale=scale)
+        assert opt.param_groups[0]["lr"] == 0.1
+        moved[scale] = torch.cat([(v - start[k]).flatten() for k, v in model.named_parameters()])
+    assert moved[1.0].abs().max() > 0
+    torch.testing.assert_close(moved[0.25], 0.25 * moved[1.0], rtol=1e-4, atol=1e-7)
+
+
+def _sgd_update(path, batch, tc, rows="all"):
+    """(parameter change of one plain SGD step, the step's result)."""
+    model = load_model(path).train()
+    start = {k: v.clone() for k, v in model.named_parameters()}
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    res = train_step(ActorCritic(model), None, opt, batch, tc, temperature=1.0, rows=rows)
+    return torch.cat([(v - start[k]).detach().flatten() for k, v in model.named_parameters()]), res
+
+
+def test_replay_rows_train_only_the_rows_that_beat_their_group_with_the_whole_groups_advantages(digit_example):
+    """rows=positive is the full batch's loss with the other rows weighted 0 (the advantages are
+    those of the whole group, not of the rows kept), averaged over the kept rows' tokens: with
+    plain SGD, exactly that update scaled by all tokens / kept tokens. rows=best keeps each
+    group's highest reward (ties included)."""
+    path = f"{digit_example}/model"
+    tok = load_tokenizer(path)
+    rewards = [1.0, 0.0, 0.5, 0.0, 1.0, 1.0, 0.0, 0.2]  # groups of 4: means 0.375 and 0.55
+    table = _table(tok, rewards)
+    tc = TrainerConfig(max_grad_norm=1e9)  # no clipping: the update is linear in the loss
+    batch = collate(table, tok.pad_token_id)
+    kept, res = _sgd_update(path, batch, tc, rows="positive")
+    assert res.rows.tolist() == [0, 2, 4, 5]
+    weighted, _ = _sgd_update(path, collate(table, tok.pad_token_id, [1, 0, 1, 0, 1, 1, 0, 0]), tc)
+    resp = batch.mask.sum(-1)
+    scale = float(resp.sum() / resp[res.rows].sum())
+    assert kept.abs().max() > 1e-3
+    torch.testing.assert_close(kept, weighted * scale, rtol=1e-4, atol=1e-4 * float(kept.abs().max()))
+    best, res = _sgd_update(path, batch, tc, rows="best")
+    assert res.rows.tolist() == [0, 4, 5]
+    assert not torch.allclose(best, kept)
+
+
+def test_replay_rows_need_group_advantages():
+    with pytest.raises(ValueError, match="replay_rows=positive picks rows by their group's advantage"):
+        TrainerConfig(algorithm="ppo", replay_rows="positive")
+    assert TrainerConfig(algorithm="ppo").replay_rows == "all"
