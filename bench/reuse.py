@@ -5,8 +5,10 @@ in this process, identical except for replay:
 
 - off: every rollout is trained on once (trainer.replay_epochs = 0);
 - on:  groups that pass the quality filter go to L2 and are replayed up to
-       `buffer.max_replays_per_group` = 2 more times, drawn by priority, in one replay epoch after
-       every `--replay-every` fresh steps, with prioritized-replay weights.
+       `buffer.max_replays_per_group` = `--replays` (3) more times, drawn by priority, in one
+       replay epoch after every `--replay-every` fresh steps, with prioritized-replay weights; a
+       replay trains the config's `trainer.replay_rows` (default: the completions that beat their
+       group) at `trainer.replay_lr_scale` (default 0.5) times the learning rate.
 
 Both runs use the config's policy objective. The demo config clips the ratio to the stored
 behaviour log-probs (a trust region around the sampler's policy: stale replayed tokens outside it
@@ -22,7 +24,7 @@ The pair of runs is repeated for each of `--seeds` seeds (config `seed`: prompt 
 sampling), each seed with its own target: one seed's ratio swings by +-0.2 (a first crossing of a
 curve that replay makes bumpier), so only a median over several says anything. Keys: per seed
 (`seeds`: one object each) reuse_rate_off / reuse_rate_on = samples trained (fresh + replayed) /
-samples generated; gen_tokens_to_target_off / _on = generated tokens when the first evaluated
+samples generated (a replay counts the rows it trained on); gen_tokens_to_target_off / _on = generated tokens when the first evaluated
 version reaches the target (null if never); tokens_ratio_on_off; target; the evaluated curves and
 wall times. Over the seeds: `median_*` of the token counts, of the ratio and of the walls, and `spread_*` [min, max].
 Goal: reuse_rate_on >= 2 and median gen_tokens_to_target_on <= 0.7 x median _off.
@@ -106,6 +108,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=60, help="fresh trainer steps of each run")
     ap.add_argument("--eval-every", type=int, default=5, help="evaluate every k-th policy version")
     ap.add_argument("--replay-every", type=int, default=1, help="fresh steps between replay epochs")
+    ap.add_argument("--replays", type=int, default=3, help="buffer.max_replays_per_group of the on arm")
     ap.add_argument("--slack", type=float, default=0.1, help="share of the replay-off gain the target leaves out")
     ap.add_argument("--eval-size", type=int, default=256)
     ap.add_argument("--threads", type=int, default=1)
@@ -120,7 +123,7 @@ def main() -> None:
     # --set comes last in both, so it also overrides what the arms set (e.g. buffer.max_replays_per_group)
     off = [*common, "trainer.replay_epochs=0", *args.set]
     on = [*common, f"trainer.replay_epochs={max(1, args.steps // args.replay_every)}",
-          "buffer.max_replays_per_group=2", *args.set]
+          f"buffer.max_replays_per_group={args.replays}", *args.set]
     root = args.dir or tempfile.mkdtemp(prefix="bench-reuse-")
     stamp = time.strftime("%Y%m%d-%H%M%S")
     try:

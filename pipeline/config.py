@@ -152,10 +152,10 @@ class TrainerConfig(_Section):
     """PPO ratio clip range (against the proximal policy when `decoupled`, else the behaviour policy)."""
     update_epochs: int = Field(1, gt=0)
     """Optimizer updates per batch; the proximal policy is the one before the first of them."""
-    replay_lr_scale: float = Field(1.0, gt=0, le=1)
-    """Learning-rate factor of replay updates. Adam's step size does not depend on the loss scale, so a replayed batch moves the policy as far as a fresh one; below 1 its updates are smaller."""
-    replay_rows: Literal["all", "positive", "best"] = "all"
-    """Rows of a replayed group that its update trains on, by the advantages of the whole group: `all`; `positive`, the completions that beat their group (advantage > 0), as in self-imitation learning: a replay reinforces what worked and never pushes down stale tokens the policy has moved since, at about half a fresh update's cost; `best`, the group's best completions only. Group-advantage algorithms only (not ppo)."""
+    replay_lr_scale: float = Field(0.5, gt=0, le=1)
+    """Learning-rate factor of replay updates. Adam's step size does not depend on the loss scale, so a replayed batch moves the policy as far as a fresh one; below 1 its updates are smaller (on the demo task 0.5 learnt more per generated token than 1, bench/reuse.py)."""
+    replay_rows: Literal["all", "positive", "best"] = "positive"
+    """Rows of a replayed group that its update trains on, by the advantages of the whole group: `positive`, the completions that beat their group (advantage > 0), as in self-imitation learning: a replay reinforces what worked and never pushes down stale tokens the policy has moved since, at about half a fresh update's cost; `best`, the group's best completions only; `all`. With ppo (a critic, token advantages) only `all`."""
     kl_coef: float = Field(0.0, ge=0)
     """Weight of the KL penalty to the frozen initial policy (0 disables the reference model)."""
     kl_estimator: Literal["k1", "k3"] = "k3"
@@ -224,6 +224,8 @@ class TrainerConfig(_Section):
         if self.steps % self.phases:
             raise ValueError(f"trainer.phases={self.phases} does not divide trainer.steps={self.steps}; "
                              "choose phases so that every phase has the same number of steps")
+        if self.algorithm == "ppo" and "replay_rows" not in self.model_fields_set:
+            self.replay_rows = "all"  # the default for group algorithms; ppo has no group advantages
         if self.replay_rows != "all" and self.algorithm == "ppo":
             raise ValueError(f"trainer.replay_rows={self.replay_rows} picks rows by their group's advantage, which "
                              "algorithm ppo (a critic, token advantages) does not have; use replay_rows=all or a "

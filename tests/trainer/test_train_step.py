@@ -126,7 +126,8 @@ def test_replay_rows_train_only_the_rows_that_beat_their_group_with_the_whole_gr
     assert not torch.allclose(best, kept)
 
 
-def test_replay_rows_need_group_advantages():
+def test_replay_rows_default_to_positive_for_group_algorithms_and_to_all_for_ppo():
+    assert TrainerConfig().replay_rows == "positive"
+    assert TrainerConfig(algorithm="ppo").replay_rows == "all"  # ppo has token advantages, no groups
     with pytest.raises(ValueError, match="replay_rows=positive picks rows by their group's advantage"):
         TrainerConfig(algorithm="ppo", replay_rows="positive")
-    assert TrainerConfig(algorithm="ppo").replay_rows == "all"
