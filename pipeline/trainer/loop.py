@@ -188,8 +188,9 @@ class Trainer:
         n = self.buffer.eligible_replay_groups() // tc.groups_per_step
         done = 0
         for i in range(n):
-            if tc.replay_yield and self.feed.ready():
-                log.info("replay epoch %d: the next fresh step's groups are here after %d of %d updates", epoch, i, n)
+            if tc.replay_yield and (st.step >= tc.steps or self.feed.ready()):
+                # replay fills waits for fresh data only; after the last step there is none to wait for
+                log.info("replay epoch %d: gives way to fresh data after %d of %d updates", epoch, i, n)
                 break
             t0 = time.time()
             rb = self.buffer.sample_replay(tc.groups_per_step, step=st.updates,
