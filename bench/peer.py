@@ -18,6 +18,8 @@ trainer, one thread each; TRL: one process, two threads), on the same inputs:
   from `<run>/policy/v<K>` (retention widened so that they all stay), TRL's arm saves them every K
   steps (the saving time is recorded and taken off its clock). Evaluation is on neither clock.
 
+Before the clocks start, each arm's libraries are imported once in its own environment (the page
+cache then holds both; otherwise the arm that runs first pays alone for reading them from disk).
 Clocks start when the arm's command starts (`rlhf run CONFIG` for ours: prepare, process start,
 model loads; the TRL script: imports, model load, dataset) and read the end of step K: for ours the
 trainer's `time/end` of step K in `metrics/trainer.jsonl`, for TRL the step's end in its log.
@@ -31,6 +33,9 @@ Printed per regime:
   batch's start to the last step's end; TRL: less the saving time).
 - `*_start_s`: the clock at the end of step 1 (start-up plus one step).
 - `*_curve`: [step, clock_s, held-out score] per evaluated step.
+- generation-heavy only, a third arm: ours again with L2 replay on (`REPLAY`), printed as
+  `ours_replay_*` with `replay_tokens_ratio` and `replay_time_ratio` (replay / no replay: < 1 is
+  fewer generated tokens, resp. less time, to the target) and `ours_replay_reuse_rate`.
 - `*_cpu_s`: CPU seconds the arm's processes used (ours: with finalize's evaluations), and the
   1-minute load average after each arm: on a shared machine, what the other work took.
 """
@@ -56,8 +61,13 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 REGIMES = {
     # config, steps, eval every, target held-out score (reached by both arms in a full run here)
     "demo": {"config": "configs/tiny-grpo.yaml", "steps": 160, "eval_every": 10, "target": 0.60},
-    "generation-heavy": {"config": "configs/tiny-grpo-long.yaml", "steps": 300, "eval_every": 30, "target": 0.40},
+    "generation-heavy": {"config": "configs/tiny-grpo-long.yaml", "steps": 300, "eval_every": 30, "target": 0.40,
+                         "replay_arm": True},
 }
+# The replay arm's settings besides one replay epoch per fresh step (see replay_overrides): the
+# default replay (positive rows at half the learning rate, up to 2 replays per group) that gives way
+# to fresh data, so it runs only while the trainer would wait for the sampler.
+REPLAY = ("trainer.replay_yield=true",)
 SMOKE = {"demo": {"steps": 20, "eval_every": 10}, "generation-heavy": {"steps": 10, "eval_every": 5}}
 
 
@@ -95,19 +105,33 @@ def overrides(s: dict, eval_size: int) -> list[str]:
 
 
 # the arms -----------------------------------------------------------------------------------------
+# What each arm's processes import first. Read once by `warm_up` before the clocks start: the arm
+# that ran first otherwise paid alone for reading its libraries from disk into the page cache
+# (a cold start of 16-22 s instead of 7.5 s was seen on a machine with little of it cached).
+OURS_IMPORTS = "import torch, transformers, pyarrow.parquet, pipeline.trainer.loop, pipeline.sampler.loop"
+TRL_IMPORTS = "import torch, transformers, datasets, pyarrow.parquet, trl; from trl import GRPOTrainer"
+
+
+def warm_up(peer_python: str) -> None:
+    """Import both arms' libraries once, each in its own environment, off the clocks."""
+    for python, code in ((sys.executable, OURS_IMPORTS), (peer_python, TRL_IMPORTS)):
+        subprocess.run([python, "-c", code], cwd=ROOT, check=True, stdout=subprocess.DEVNULL,
+                       env=dict(os.environ, OMP_NUM_THREADS="1", TRANSFORMERS_VERBOSITY="error"))
+
+
 def child_cpu_s() -> float:
     r = resource.getrusage(resource.RUSAGE_CHILDREN)
     return r.ru_utime + r.ru_stime
 
 
-def run_ours(s: dict, run_dir: Path, threads: int) -> dict:
-    """`rlhf run CONFIG` with its clock; returns step end times, sampler token times."""
+def run_ours(s: dict, run_dir: Path, threads: int, extra: tuple[str, ...] = ()) -> dict:
+    """`rlhf run CONFIG` (and `extra` overrides) with its clock; returns step end times, sampler token times."""
     from pipeline.rundir import RunDir
 
     rlhf = Path(sys.executable).with_name("rlhf")
     argv = [str(rlhf)] if rlhf.exists() else [sys.executable, "-m", "pipeline"]
     argv += ["run", str(ROOT / s["config"]), "--run-dir", run_dir.as_uri(), "--no-progress"]
-    for o in overrides(s, s["cfg"].data.eval_size):
+    for o in [*overrides(s, s["cfg"].data.eval_size), *extra]:
         argv += ["--set", o]
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
     t0, cpu0 = time.time(), child_cpu_s()
@@ -229,14 +253,17 @@ def run_regime(name: str, args, work: Path) -> dict:
 
     s = regime_settings(name, args)
     src = resolve_sources(s["cfg"])  # builds the task's model and prompts (rlhf init-example), off the clocks
-    for arm in ("ours", "trl"):
+    for arm in ("ours", "replay", "trl"):
         shutil.rmtree(work / f"{name}-{arm}", ignore_errors=True)
+    warm_up(args.peer_python)
     t_bench = time.time()
     ours = run_ours(s, work / f"{name}-ours", args.threads)
+    replay = run_ours(s, work / f"{name}-replay", args.threads, replay_overrides(s)) if s.get("replay_arm") else None
     trl = run_trl(s, src["model"], src["train"], work / f"{name}-trl", args.peer_python, args.threads)
     ev = Evaluator(s["cfg"], str(work / f"{name}-ours" / "data" / "eval.parquet"), args.threads)
     try:
         oc, tc = ours_curve(ours, s, ev), trl_curve(trl, s, work / f"{name}-trl", ev)
+        rc = ours_curve(replay, s, ev) if replay else None
     finally:
         ev.close()
     o, t = ours_figures(ours, oc, s["target"]), trl_figures(trl, tc, s["target"])
@@ -255,8 +282,34 @@ def run_regime(name: str, args, work: Path) -> dict:
             "ours_sampler_busy_s": summ.get("sampler_busy_s"), "ours_trainer_busy_s": summ.get("trainer_busy_s"),
             "ours_cpu_s": round(ours["cpu_s"], 1), "trl_cpu_s": round(trl["cpu_s"], 1),
             "load_avg_after_ours": round(ours["load"], 2), "load_avg_after_trl": round(trl["load"], 2),
-            "ours_curve": oc, "trl_curve": tc, "bench_s": round(time.time() - t_bench, 1),
+            "ours_curve": oc, "trl_curve": tc, **(replay_figures(replay, rc, o, s) if replay else {}),
+            "bench_s": round(time.time() - t_bench, 1),
 }
+
+
+def replay_overrides(s: dict) -> tuple[str, ...]:
+    """The replay arm: the regime's config with L2 replay on, one replay epoch after every fresh step."""
+    return (f"trainer.replay_epochs={s['steps']}", *REPLAY)
+
+
+def ratio(a, b):
+    return round(a / b, 3) if a and b else None
+
+
+def replay_figures(replay: dict, curve: list[list], ours: dict, s: dict) -> dict:
+    """The replay arm beside ours without replay: `replay_tokens_ratio` < 1 is fewer generated
+    tokens to the target, `replay_time_ratio` <= 1 equal or better wall time."""
+    r = ours_figures(replay, curve, s["target"])
+    summ = replay["summary"]
+    return {"replay_settings": list(replay_overrides(s)),
+            "ours_replay_time_to_target_s": r["time_to_target_s"], "ours_replay_tokens_to_target": r["tokens_to_target"],
+            "ours_replay_step_to_target": r["step_to_target"],
+            "replay_tokens_ratio": ratio(r["tokens_to_target"], ours["tokens_to_target"]),
+            "replay_time_ratio": ratio(r["time_to_target_s"], ours["time_to_target_s"]),
+            "ours_replay_wall_s": summ.get("wall_s"), "ours_replay_trainer_busy_s": summ.get("trainer_busy_s"),
+            "ours_replay_sampler_busy_s": summ.get("sampler_busy_s"),
+            "ours_replay_reuse_rate": round(summ["samples_trained"] / max(summ["samples_generated"], 1), 3),
+            "ours_replay_curve": curve}
 
 
 def main(argv=None) -> int:
