@@ -181,6 +181,14 @@ class Trainer:
         return rec
 
     # replay -----------------------------------------------------------------------------------
+    def fresh_due(self) -> bool:
+        """Replay gives way (`trainer.replay_yield`): the next fresh step's groups are read, or the
+        last fresh step is done (there is no fresh data to wait for). Every rank reads ahead on its
+        own, so the ranks agree first: one rank that went on alone would leave the others waiting
+        in a collective."""
+        due = self.state.step >= self.tc.steps or self.feed.ready()
+        return bool(self.world.max_int(int(due)))
+
     def replay_epoch(self, epoch: int) -> int:
         """One pass over L2: eligible // groups_per_step draws by priority. Returns updates taken."""
         tc, st, world = self.tc, self.state, self.world
@@ -188,8 +196,7 @@ class Trainer:
         n = self.buffer.eligible_replay_groups() // tc.groups_per_step
         done = 0
         for i in range(n):
-            if tc.replay_yield and (st.step >= tc.steps or self.feed.ready()):
-                # replay fills waits for fresh data only; after the last step there is none to wait for
+            if tc.replay_yield and self.fresh_due():
                 log.info("replay epoch %d: gives way to fresh data after %d of %d updates", epoch, i, n)
                 break
             t0 = time.time()

@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import time
+from types import SimpleNamespace
 
 import pytest
 from trainer_rollouts import synthetic_shard
@@ -17,6 +18,7 @@ from pipeline.models import load_tokenizer
 from pipeline.orchestration import open_replay_gate, prepare
 from pipeline.policy import PolicyStore
 from pipeline.rundir import RunDir
+from pipeline.trainer.loop import Trainer
 
 STEPS, GROUPS, GROUP_SIZE = 3, 4, 4
 
@@ -62,3 +64,29 @@ def test_replay_runs_only_while_the_next_fresh_groups_are_missing(tmp_path, spaw
     fresh = [r["step"] for r in run.read_metrics("trainer") if r.get("replay/is_replay") == 0]
     assert fresh == [1, 2, 3]
     assert {r["step"] for r in replays(run)} == {2}
+
+
+class TwoRanks:
+    """World of rank 0 with one other rank whose own read ahead has (1) or has not (0) ended."""
+
+    def __init__(self, other: int):
+        self.other = other
+
+    def max_int(self, n: int) -> int:
+        return max(n, self.other)
+
+
+def _fresh_due(step: int, ready: bool, other: int) -> bool:
+    me = SimpleNamespace(state=SimpleNamespace(step=step), tc=SimpleNamespace(steps=STEPS),
+                         feed=SimpleNamespace(ready=lambda: ready), world=TwoRanks(other))
+    return Trainer.fresh_due(me)
+
+
+def test_every_rank_gives_way_once_any_rank_has_the_next_fresh_groups():
+    """Each rank reads ahead on its own, so their reads end at different moments: a rank whose read
+    has not ended gives way with the one whose has (alone, it would enter a replay update whose
+    collectives the other never joins)."""
+    assert _fresh_due(1, ready=False, other=1)
+    assert _fresh_due(1, ready=True, other=0)
+    assert not _fresh_due(1, ready=False, other=0)
+    assert _fresh_due(STEPS, ready=False, other=0)  # after the last fresh step
