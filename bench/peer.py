@@ -267,13 +267,11 @@ def run_regime(name: str, args, work: Path) -> dict:
     finally:
         ev.close()
     o, t = ours_figures(ours, oc, s["target"]), trl_figures(trl, tc, s["target"])
-    ratio = (round(o["time_to_target_s"] / t["time_to_target_s"], 3)
-             if o["time_to_target_s"] and t["time_to_target_s"] else None)
     summ = ours["summary"]
     return {"regime": name, "target": s["target"], "steps": s["steps"], "eval_every": s["eval_every"],
             "eval_prompts": len(ev.prompts), "max_new_tokens": s["cfg"].sampler.max_new_tokens,
             "trl_time_to_target_s": t["time_to_target_s"], "ours_time_to_target_s": o["time_to_target_s"],
-            "ratio_time_to_target": ratio,
+            "ratio_time_to_target": ratio(o["time_to_target_s"], t["time_to_target_s"]),
             "trl_gen_tokens_per_s": t["gen_tokens_per_s"], "ours_gen_tokens_per_s": o["gen_tokens_per_s"],
             "ours_tokens_to_target": o["tokens_to_target"], "trl_tokens_to_target": t["tokens_to_target"],
             "ours_step_to_target": o["step_to_target"], "trl_step_to_target": t["step_to_target"],
