@@ -334,29 +334,35 @@ class LocalAirflow:
                                f"{[(r['dag_run_id'], r['state']) for r in client.dag_runs(dag_id, logical_date=span)]}")
         return [runs[_day_time(d)] for d in wanted]
 
-    def _backfill_cli(self, args: list[str], dag_id: str, client) -> str:
+    def _backfill_cli(self, args: list[str], dag_id: str, client, attempts: int = 6) -> str:
+        """`airflow backfill create`, retried while SQLite answers "database is locked".
+
+        SQLite only: creating the runs reads, then writes in one transaction, which fails while
+        another component commits (the scheduler every second on a busy machine). Airflow commits
+        the backfill's own row first, so every failed attempt may leave an active backfill with none
+        or some of its runs: cancel it before the next attempt (its queued runs fail, and the retry
+        reprocesses them), or that attempt is refused as "another backfill is running". The retries
+        run with the scheduler held; once it starts again, it runs the backfill. (Postgres
+        deployments never retry.)"""
         before = {b["id"] for b in self._active_backfills(client, dag_id)}
+        held = False
         try:
-            return self._cli(*args, attempts=1)
-        except AirflowError as e:
-            if "database is locked" not in str(e):
-                raise
-        # SQLite only: creating the runs reads, then writes in one transaction, which fails while the
-        # scheduler commits every second on a busy machine. Airflow commits the backfill's own row
-        # first, so the failed attempt may have left an active backfill with none or some of its
-        # runs: cancel it (its queued runs fail, and the retry reprocesses them), or the retry is
-        # refused as "another backfill is running". Then write the runs with the scheduler held;
-        # the restarted scheduler runs them. (Postgres deployments never get here.)
-        for b in self._active_backfills(client, dag_id):
-            if b["id"] not in before:
-                client.request("PUT", f"/api/v2/backfills/{b['id']}/cancel")
-        if not self.running().get("scheduler"):
-            return self._cli(*args)
-        self._stop("scheduler")
-        try:
-            return self._cli(*args)
+            for attempt in range(max(1, attempts)):
+                try:
+                    return self._cli(*args, attempts=1)
+                except AirflowError as e:
+                    if "database is locked" not in str(e) or attempt + 1 >= attempts:
+                        raise
+                for b in self._active_backfills(client, dag_id):
+                    if b["id"] not in before:
+                        client.request("PUT", f"/api/v2/backfills/{b['id']}/cancel")
+                if not held and self.running().get("scheduler"):
+                    self._stop("scheduler")
+                    held = True
+                time.sleep(attempt)
         finally:
-            self._start("scheduler")
+            if held:
+                self._start("scheduler")
 
     @staticmethod
     def _active_backfills(client, dag_id: str) -> list[dict]:

@@ -86,3 +86,65 @@ def test_a_supervisor_that_fails_stops_the_components_it_started(tmp_path):
     finally:
         if started and group_alive(started):
             os.killpg(started, signal.SIGKILL)
+
+
+# A stand-in for `airflow backfill create` over SQLite: like Airflow, it commits the backfill's row
+# before writing the runs, and the first `locked` calls then fail with "database is locked".
+FAKE_AIRFLOW = '''
+import json, sys
+path = sys.argv[1]
+db = json.load(open(path))
+if any(b["completed_at"] is None for b in db["backfills"]):
+    sys.exit("AlreadyRunningBackfill: Another backfill is running for Dag d.")
+db["backfills"].append({"id": len(db["backfills"]) + 1, "completed_at": None})
+db["calls"] += 1
+json.dump(db, open(path, "w"))
+if db["calls"] <= db["locked"]:
+    sys.exit("sqlite3.OperationalError: database is locked")
+'''
+
+
+class FakeBackfillApi:
+    def __init__(self, path):
+        self.path = path
+
+    def request(self, method, path, body=None):
+        import json
+
+        db = json.loads(self.path.read_text())
+        if method == "GET":
+            return {"backfills": db["backfills"]}
+        assert method == "PUT" and path.endswith("/cancel"), (method, path)
+        ident = int(path.split("/")[-2])
+        for b in db["backfills"]:
+            if b["id"] == ident:
+                b["completed_at"] = "now"
+        self.path.write_text(json.dumps(db))
+        return {}
+
+
+def test_each_backfill_attempt_that_sqlite_refused_is_cancelled_before_the_next_with_the_scheduler_held(
+        deployment, tmp_path):
+    import json
+    import sys
+
+    af = deployment
+    (tmp_path / "fake_airflow.py").write_text(FAKE_AIRFLOW)
+    db = tmp_path / "db.json"
+    db.write_text(json.dumps({"backfills": [], "calls": 0, "locked": 3}))
+    af._airflow = lambda: [sys.executable, str(tmp_path / "fake_airflow.py"), str(db)]
+    held = []
+    stop = af._stop
+    af._stop = lambda name: (stop(name), held.append(af.running()[name]))
+
+    af._backfill_cli(["backfill", "create"], "d", FakeBackfillApi(db))
+    backfills = json.loads(db.read_text())["backfills"]
+    # three refused attempts, each cancelled; the fourth is the one left running
+    assert [b["completed_at"] for b in backfills] == ["now", "now", "now", None]
+    assert held == [False]  # the scheduler was held once, for the retries
+    assert af.running()["scheduler"]  # and runs again
+
+    db.write_text(json.dumps({"backfills": [], "calls": 0, "locked": 9}))
+    with pytest.raises(Exception, match="database is locked"):
+        af._backfill_cli(["backfill", "create"], "d", FakeBackfillApi(db), attempts=2)
+    assert af.running()["scheduler"]
