@@ -212,6 +212,8 @@ class TrainerConfig(_Section):
     """Policy versions kept: the newest K; v0, phase-end versions (the last is the final one) and any version a sampler is loading stay as well, older ones are deleted after each publication."""
     threads: int = Field(1, gt=0)
     """torch intra-op threads of the trainer process."""
+    borrow_threads: int = Field(0, ge=0)
+    """When the samplers share this machine's CPU cores with a one-process trainer (the laptop path): threads the trainer adds for the rest of a fresh step once every sampler is held by the staleness bound (they compute nothing until this step's policy is published), given back when the step ends. 0: never. Thread counts change the order of floating-point sums, so with it two runs of one config may differ slightly (`sampler.fixed_lag` no longer makes them identical)."""
     log_every: int = Field(5, gt=0)
     """Steps between progress log lines."""
     wait_timeout_s: float = Field(600.0, gt=0)

@@ -34,10 +34,12 @@ class _Wait:
     time waited so far, up to `RunDir.STOP_CHECK_S` (a new batch is picked up at most a quarter
     later than it would be otherwise; an idle wait costs few requests), and looks for the stop
     marker at most every `RunDir.STOP_CHECK_S` and before it times out. With `cancel` set, a
-    sleep ends when it is set and raises `_Cancelled`."""
+    sleep ends when it is set and raises `_Cancelled`. `steady`: it polls every `poll_s` throughout
+    (a wait whose end is wanted at once even when it is long)."""
 
-    def __init__(self, run: RunDir, poll_s: float, timeout_s: float, cancel: threading.Event | None = None):
-        self.run, self.poll_s, self.timeout_s, self.cancel = run, poll_s, timeout_s, cancel
+    def __init__(self, run: RunDir, poll_s: float, timeout_s: float, cancel: threading.Event | None = None,
+                 steady: bool = False):
+        self.run, self.poll_s, self.timeout_s, self.cancel, self.steady = run, poll_s, timeout_s, cancel, steady
         self.t0 = self.stop_checked = time.time()
 
     def waited(self) -> float:
@@ -53,7 +55,7 @@ class _Wait:
                 raise TrainerStopped()
         if waited > self.timeout_s:
             raise TimeoutError(timeout_message())
-        pause = max(self.poll_s, min(waited / 4, RunDir.STOP_CHECK_S))
+        pause = self.poll_s if self.steady else max(self.poll_s, min(waited / 4, RunDir.STOP_CHECK_S))
         if self.cancel is None:
             time.sleep(pause)
         elif self.cancel.wait(pause):
@@ -93,13 +95,13 @@ class ConsumedMarks:
 
 def wait_for_groups(buffer: ReplayBuffer, run: RunDir, cursor: dict | None, groups: int,
                     poll_s: float, timeout_s: float, marks: ConsumedMarks | None = None,
-                    cancel: threading.Event | None = None) -> tuple[pa.Table, dict | None, float]:
+                    cancel: threading.Event | None = None, steady: bool = False) -> tuple[pa.Table, dict | None, float]:
     """Read exactly `groups` fresh groups (blocking). Returns (table, new cursor, seconds waited).
     Before it waits, `marks` records what was consumed (a sampler the `l1_max_rows` bound holds
-    back waits for it)."""
+    back waits for it). `steady`: poll every `poll_s` however long it waits (`_Wait`)."""
     parts: list[pa.Table] = []
     have = 0
-    wait = _Wait(run, poll_s, timeout_s, cancel)
+    wait = _Wait(run, poll_s, timeout_s, cancel, steady)
     while have < groups:
         table, cursor = buffer.read_fresh(cursor, groups - have)
         if table.num_rows:
@@ -134,7 +136,7 @@ class _ReadAhead:
     def _run(self, feed: FreshFeed) -> None:
         try:
             self.result = wait_for_groups(feed.buffer, feed.run, self.cursor, feed.groups, feed.poll_s,
-                                          feed.timeout_s, cancel=self.cancel)
+                                          feed.timeout_s, cancel=self.cancel, steady=feed.steady)
         except BaseException as e:  # re-raised by the step that takes it
             self.error = e
         finally:
@@ -152,12 +154,14 @@ class FreshFeed:
     from `cursor` by the previous take, else one made now; with `ahead`, it then starts reading
     the next step's groups. A stop marker or a timeout met by a read ahead is raised by the take
     that wanted it, as it would be by a read made then. Only the caller (`marks`) records what
-    was consumed, before it waits."""
+    was consumed, before it waits. `steady`: the read ahead polls every `poll_s` however long it
+    waits, so that `ready` turns true within a poll of the groups' commit (the trainer acts on it
+    in the middle of a step: `BorrowedThreads`); otherwise it backs off like any wait."""
 
     def __init__(self, buffer: ReplayBuffer, run: RunDir, groups: int, poll_s: float, timeout_s: float,
-                 marks: ConsumedMarks | None = None):
+                 marks: ConsumedMarks | None = None, steady: bool = False):
         self.buffer, self.run, self.groups = buffer, run, groups
-        self.poll_s, self.timeout_s, self.marks = poll_s, timeout_s, marks
+        self.poll_s, self.timeout_s, self.marks, self.steady = poll_s, timeout_s, marks, steady
         self._ahead: _ReadAhead | None = None
 
     def take(self, cursor: dict | None, ahead: bool) -> tuple[pa.Table, dict | None, float]:

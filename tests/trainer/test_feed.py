@@ -155,3 +155,23 @@ def test_ready_when_the_read_ahead_met_a_stop():
     _until(feed.ready)  # the take would not wait: it raises what the read met
     with pytest.raises(TrainerStopped):
         feed.take(cursor, ahead=False)
+
+
+def test_a_steady_read_ahead_keeps_polling_at_poll_s_however_long_it_waits():
+    """`steady` (for `trainer.borrow_threads`, which acts on `ready` in the middle of a step): a
+    read ahead that has waited a while still sees a commit within a poll or so; a wait that backs
+    off polls every quarter of the time waited so far."""
+    reads = {}
+    for steady in (False, True):
+        log = Log(committed=2)
+        feed = FreshFeed(log, Run(), groups=2, poll_s=0.01, timeout_s=60, steady=steady)
+        _, cursor, _ = feed.take(None, ahead=True)
+        time.sleep(1.2)
+        reads[steady] = len(log.reads)
+        log.commit(2)
+        t0 = time.time()
+        _until(feed.ready)
+        if steady:
+            assert time.time() - t0 < 0.25
+        feed.close()
+    assert reads[True] >= 40 and reads[False] <= 30, reads
