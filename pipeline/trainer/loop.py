@@ -105,19 +105,19 @@ class BorrowedThreads:
     are committed, every sampler waits for the version this step publishes and computes nothing,
     so the step takes `extra` more threads from the next micro-batch on and gives them back when
     it ends. With a bound of 0 that holds from the start; with 1, once the read ahead has the next
-    step's groups (`FreshFeed.ready`); with a wider bound, a count of the log says (read once a
-    step, after the read ahead)."""
+    step's groups (`FreshFeed.ready`); with a wider bound, a count of the log says (read after the
+    read ahead, at most every `recount_s`)."""
 
     def __init__(self, base: int, extra: int, staleness: int, groups_per_step: int, feed: FreshFeed,
-                 buffer: ReplayBuffer):
+                 buffer: ReplayBuffer, recount_s: float = 0.05):
         self.base, self.extra, self.staleness, self.groups_per_step = base, extra, staleness, groups_per_step
-        self.feed, self.buffer = feed, buffer
-        self.step, self.on, self.counted = 0, False, False
+        self.feed, self.buffer, self.recount_s = feed, buffer, recount_s
+        self.step, self.on, self.counted_at = 0, False, float("-inf")
         self.micro_batches = self.borrowed = 0
 
     def start(self, step: int) -> None:
         """Fresh step `step` (0-based) begins."""
-        self.step, self.counted = step, False
+        self.step = step
         self.micro_batches = self.borrowed = 0
 
     def held(self) -> bool:
@@ -127,9 +127,9 @@ class BorrowedThreads:
             return False
         if self.staleness == 1:
             return True
-        if self.counted:
+        if time.monotonic() - self.counted_at < self.recount_s:
             return False
-        self.counted = True
+        self.counted_at = time.monotonic()
         return self.buffer.committed_groups() >= (self.step + self.staleness + 1) * self.groups_per_step
 
     def __call__(self) -> None:
@@ -179,7 +179,7 @@ class Trainer:
                         "shares a machine's cores with the samplers)", tc.borrow_threads, world.size)
         elif tc.borrow_threads:
             self.borrow = BorrowedThreads(tc.threads, tc.borrow_threads, cfg.sampler.max_staleness,
-                                          tc.groups_per_step, self.feed, self.buffer)
+                                          tc.groups_per_step, self.feed, self.buffer, cfg.sampler.poll_s)
         self.state = TrainerState()
         ck = latest_checkpoint(run)
         if ck is not None:

@@ -67,20 +67,27 @@ def test_on_policy_samplers_are_always_held_while_the_trainer_steps(threads):
     assert torch.get_num_threads() == 2 and lend.end() == 1.0 and torch.get_num_threads() == 1
 
 
-def test_with_a_wider_bound_the_log_says_once_a_step_whether_every_sampler_is_held(threads):
+def test_with_a_wider_bound_a_count_of_the_log_says_whether_every_sampler_is_held(threads):
     feed, buffer = Feed(), Buffer(committed=(5 + 2) * GROUPS)  # steps 0..6 committed: step 7 may still come
-    lend = BorrowedThreads(1, 1, staleness=2, groups_per_step=GROUPS, feed=feed, buffer=buffer)
+    lend = BorrowedThreads(1, 1, staleness=2, groups_per_step=GROUPS, feed=feed, buffer=buffer, recount_s=3600)
     lend.start(step=5)
     lend()
     assert buffer.reads == 0  # not before the read ahead has the next step's groups
     feed.next_step_read = True
     lend()
     lend()
-    assert buffer.reads == 1 and torch.get_num_threads() == 1 and lend.end() == 0.0
-    buffer.committed = (5 + 3) * GROUPS  # step 7's groups too: version 5 + 2 = 7 would be needed next
+    assert buffer.reads == 1 and torch.get_num_threads() == 1  # read at most every recount_s
+    assert lend.end() == 0.0
+    lend.recount_s = 0.0
     lend.start(step=5)
     lend()
-    assert torch.get_num_threads() == 2 and lend.end() == 1.0
+    assert buffer.reads == 2 and torch.get_num_threads() == 1
+    buffer.committed = (5 + 3) * GROUPS  # step 7's groups too: version 5 + 2 = 7 would make the next batch
+    lend()
+    assert buffer.reads == 3 and torch.get_num_threads() == 2
+    lend()
+    assert buffer.reads == 3  # taken: no more counting this step
+    assert lend.end() == 2 / 3 and torch.get_num_threads() == 1
 
 
 def test_train_step_asks_before_every_micro_batch_of_every_update_epoch(digit_example):
