@@ -213,7 +213,7 @@ class TrainerConfig(_Section):
     threads: int = Field(1, gt=0)
     """torch intra-op threads of the trainer process."""
     borrow_threads: int = Field(0, ge=0)
-    """When the samplers share this machine's CPU cores with a one-process trainer (the laptop path): threads the trainer adds for the rest of a fresh step once every sampler is held by the staleness bound (they compute nothing until this step's policy is published), given back when the step ends. 0: never. Thread counts change the order of floating-point sums, so with it two runs of one config may differ slightly (`sampler.fixed_lag` no longer makes them identical)."""
+    """When the samplers share this machine's CPU cores with a one-process trainer (the laptop path): threads the trainer adds for the rest of a fresh step once every sampler is held by the staleness bound (they compute nothing until this step's policy is published), given back when the step ends. 0: never. It changes when steps end, and so, without `sampler.fixed_lag`, which policy version makes each batch (timing decides that there anyway); the updates stay the same where the kernels' sums do not depend on the thread count (the built-in tiny models on CPU: the same weights bit for bit after steps at 1 and at 2 threads)."""
     log_every: int = Field(5, gt=0)
     """Steps between progress log lines."""
     wait_timeout_s: float = Field(600.0, gt=0)
