@@ -15,7 +15,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, JsonValue, ValidationError, field_validator, model_validator
 
-from .config_yaml import ConfigError, apply_overrides, load_yaml_text, one_line, show_value
+from .config_yaml import ConfigError, apply_overrides, one_line, read_config_file, show_value
 from .tracking_config import TrackingConfig
 
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
@@ -376,25 +376,6 @@ def parse_config(data: dict | None, overrides: list[str] | None = None) -> RunCo
         return RunConfig.model_validate(data)
     except ValidationError as err:
         raise ConfigError(one_line(_format_error(err))) from None
-
-
-def read_config_file(path: str | Path) -> dict:
-    """A config file's mapping of sections, not yet validated (the form merges its fields into it)."""
-    p = Path(path)
-    if not p.exists():
-        raise ConfigError(f"config file {str(path)!r} not found; pass a YAML file such as configs/tiny-grpo.yaml")
-    try:
-        text = p.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as e:
-        raise ConfigError(f"config file {str(path)!r} cannot be read as UTF-8 text ({e}); "
-                          "pass a YAML file such as configs/tiny-grpo.yaml") from None
-    try:
-        data = load_yaml_text(text) or {}
-    except ValueError as e:
-        raise ConfigError(f"config file {str(path)!r} is not valid YAML: {e}") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"config file {str(path)!r}: top level must be a mapping of sections")
-    return data
 
 
 def load_config(path: str | Path | None, overrides: list[str] | None = None) -> RunConfig:

@@ -1,8 +1,9 @@
-"""Reading config text: YAML that refuses duplicate keys, dotted `key=value` overrides, and bad
+"""Reading config files and text: YAML that refuses duplicate keys, dotted `key=value` overrides, and bad
 values shown on one short line. `pipeline.config` validates what these return."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import yaml
@@ -73,4 +74,23 @@ def apply_overrides(data: dict, overrides: list[str] | None) -> dict:
             node[parts[-1]] = _coerce_override(raw)
         except ValueError as e:
             raise ConfigError(f"override {show_value(item)}: the value is not valid YAML ({e}); quote it") from None
+    return data
+
+
+def read_config_file(path: str | Path) -> dict:
+    """A config file's mapping of sections, not yet validated (the form merges its fields into it)."""
+    p = Path(path)
+    if not p.exists():
+        raise ConfigError(f"config file {str(path)!r} not found; pass a YAML file such as configs/tiny-grpo.yaml")
+    try:
+        text = p.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"config file {str(path)!r} cannot be read as UTF-8 text ({e}); "
+                          "pass a YAML file such as configs/tiny-grpo.yaml") from None
+    try:
+        data = load_yaml_text(text) or {}
+    except ValueError as e:
+        raise ConfigError(f"config file {str(path)!r} is not valid YAML: {e}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {str(path)!r}: top level must be a mapping of sections")
     return data
