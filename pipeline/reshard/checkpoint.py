@@ -21,7 +21,6 @@ import warnings
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 
 from ..storage import is_local, list_names, put_atomic, read_bytes, url_to_fs
 from .layout import DCP_DIR, HF_META_DIR, META, MODEL_PREFIX, ReshardError, is_weight_file
@@ -54,8 +53,17 @@ def read_meta(fs, root: str) -> dict | None:
         raise ReshardError(f"{root}/{META}: invalid JSON in checkpoint meta.json ({e})") from None
 
 
+def _dcp():
+    """torch.distributed.checkpoint, imported on first use: it loads torch.distributed.tensor
+    (~1 s), which a process that only reads or publishes Hugging Face folders never needs."""
+    import torch.distributed.checkpoint as dcp
+
+    return dcp
+
+
 def dcp_writer(url: str):
     """DCP's storage writer for the `dcp/` folder at `url`, on local disk or any fsspec URL."""
+    dcp = _dcp()
     fs, path = url_to_fs(url)
     if is_local(fs):
         return dcp.FileSystemWriter(path, thread_count=1)
@@ -66,6 +74,7 @@ def dcp_writer(url: str):
 
 def dcp_reader(url: str):
     """DCP's storage reader for the `dcp/` folder at `url`."""
+    dcp = _dcp()
     fs, path = url_to_fs(url)
     if is_local(fs):
         return dcp.FileSystemReader(path)
@@ -110,7 +119,7 @@ def save_dcp(state_dict: dict, dst_url: str, hf_meta_dir: str, step: int, world_
             dist.barrier()  # no rank writes before the remains are gone
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*assuming the intent is to save in a single process.*")
-            dcp.save(state_dict, storage_writer=dcp_writer(f"{dst_url.rstrip('/')}/{DCP_DIR}"))
+            _dcp().save(state_dict, storage_writer=dcp_writer(f"{dst_url.rstrip('/')}/{DCP_DIR}"))
         meta = checkpoint_meta(step, world_size, policy_version, kind)
         if main:
             for name in names:
@@ -132,5 +141,5 @@ def load_model_weights(checkpoint_url: str) -> dict[str, torch.Tensor]:
     if not template:
         raise ReshardError(f"{checkpoint_url}: no '{MODEL_PREFIX}*' entries; not a trainer checkpoint")
     state = {"model": template}
-    dcp.load(state, storage_reader=dcp_reader(dcp_url))
+    _dcp().load(state, storage_reader=dcp_reader(dcp_url))
     return state["model"]

@@ -22,23 +22,28 @@ import io
 import math
 import pickle
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
-from torch.distributed.checkpoint.filesystem import _StorageInfo
-from torch.distributed.checkpoint.metadata import (
-    BytesStorageMetadata,
-    ChunkStorageMetadata,
-    Metadata,
-    MetadataIndex,
-    StorageMeta,
-    TensorProperties,
-    TensorStorageMetadata,
-)
 
 from .files import OutFile, open_read, read_into
 from .layout import MODEL_PREFIX, ReshardError, TensorSpec, dcp_rank_name
 
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import Metadata
+
 METADATA = ".metadata"
+
+
+def _dcp():
+    """torch.distributed.checkpoint's metadata classes, imported on first use: importing them
+    loads torch.distributed.tensor (~1 s), which publishing a Hugging Face folder never needs."""
+    from torch.distributed.checkpoint import filesystem, metadata
+
+    return metadata, filesystem._StorageInfo
+
+
 _ALLOWED = {
     ("torch.distributed.checkpoint.metadata", n) for n in (
         "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata", "TensorProperties",
@@ -59,12 +64,13 @@ class _MetadataUnpickler(pickle.Unpickler):
 
 
 def read_metadata(fs, path: str) -> Metadata:
+    md_types, _ = _dcp()
     try:
         with open_read(fs, path) as f:
             md = _MetadataUnpickler(io.BytesIO(f.read())).load()
     except FileNotFoundError:
         raise ReshardError(f"{path}: missing; the DCP checkpoint is incomplete") from None
-    if not isinstance(md, Metadata):
+    if not isinstance(md, md_types.Metadata):
         raise ReshardError(f"{path}: not a DCP metadata file")
     return md
 
@@ -111,16 +117,17 @@ class DCPReader:
     def __init__(self, fs, folder: str):
         self.fs, self.folder = fs, folder
         md = read_metadata(fs, f"{folder}/{METADATA}")
+        M, _ = _dcp()
         self.specs: list[TensorSpec] = []
         self._chunks: dict[str, list[_Chunk]] = {}
         for key, item in md.state_dict_metadata.items():
-            if not key.startswith(MODEL_PREFIX) or isinstance(item, BytesStorageMetadata):
+            if not key.startswith(MODEL_PREFIX) or isinstance(item, M.BytesStorageMetadata):
                 continue
             name = key[len(MODEL_PREFIX):]
             spec = TensorSpec(name, tuple(item.size), item.properties.dtype)
             chunks = []
             for c in item.chunks:
-                info = md.storage_data.get(MetadataIndex(key, c.offsets))
+                info = md.storage_data.get(M.MetadataIndex(key, c.offsets))
                 if info is None:
                     raise ReshardError(f"{folder}: chunk {list(c.offsets)} of {key!r} has no storage entry; metadata is corrupt")
                 if getattr(info, "transform_descriptors", None):
@@ -231,6 +238,7 @@ class DCPWriter:
         self.planner: dict = {}
 
     def write(self, spec: TensorSpec, t: torch.Tensor) -> None:
+        M, StorageInfo = _dcp()
         key = MODEL_PREFIX + spec.name
         chunks = []
         for r, (start, size) in enumerate(dim0_chunks(spec.shape[0], self.n) if spec.shape else [(0, 1)]):
@@ -243,18 +251,19 @@ class DCPWriter:
             out = self.files[r]
             begin = out.tell()
             torch.save(part, out)
-            self.storage[MetadataIndex(key, torch.Size(offsets), 0)] = _StorageInfo(dcp_rank_name(r), begin, out.tell() - begin)
-            chunks.append(ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes)))
+            self.storage[M.MetadataIndex(key, torch.Size(offsets), 0)] = StorageInfo(dcp_rank_name(r), begin, out.tell() - begin)
+            chunks.append(M.ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes)))
             del part
-        self.state_md[key] = TensorStorageMetadata(TensorProperties(dtype=spec.dtype), torch.Size(spec.shape), chunks)
+        self.state_md[key] = M.TensorStorageMetadata(M.TensorProperties(dtype=spec.dtype), torch.Size(spec.shape), chunks)
         self.planner[key] = ("model", spec.name)
 
     def commit(self) -> dict[str, dict]:
         """Publish the rank files, then `.metadata` (DCP's own commit point)."""
+        M, _ = _dcp()
         entries = {dcp_rank_name(r): f.commit() for r, f in enumerate(self.files)}
-        md = Metadata(
+        md = M.Metadata(
             state_dict_metadata=self.state_md, planner_data=self.planner, storage_data=self.storage,
-            storage_meta=StorageMeta(checkpoint_id=None, save_id=self.save_id, load_id=None), version="1.0.0",
+            storage_meta=M.StorageMeta(checkpoint_id=None, save_id=self.save_id, load_id=None), version="1.0.0",
         )
         out = OutFile(self.fs, f"{self.folder}/{METADATA}")
         try:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 from pathlib import Path
 
@@ -136,3 +137,18 @@ def test_a_repeated_prepare_keeps_the_time_the_run_was_first_prepared(run):
     assert first["created"] == first["time"]
     again = orchestration.prepare(parse_config(CONFIG), run_url=run.url)
     assert again.read_json("prepare.json")["created"] == first["created"]
+
+
+def test_preparing_a_run_loads_no_distributed_checkpointing(tmp_path):
+    """`prepare` publishes v0 from a Hugging Face folder, which needs no DCP: importing
+    torch.distributed.checkpoint (and with it torch.distributed.tensor, ~1 s) stays with the
+    trainer's checkpoints, off the path every new run waits on before its engines start."""
+    orchestration.resolve_sources(parse_config(CONFIG))  # the built-in example is built (by transformers) beforehand
+    script = ("import json, sys\nfrom pipeline import orchestration\nfrom pipeline.config import parse_config\n"
+              f"run = orchestration.prepare(parse_config({CONFIG!r}), run_url={(tmp_path / 'r').as_uri()!r})\n"
+              "print(json.dumps({'v0': run.fs.exists(run.path('policy')), 'loaded': sorted(m for m in sys.modules "
+              "if m.startswith(('torch.distributed.checkpoint', 'torch.distributed.tensor')))}))")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                         cwd=Path(__file__).resolve().parents[2])
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert json.loads(out.stdout.splitlines()[-1]) == {"v0": True, "loaded": []}
