@@ -7,6 +7,7 @@ logits at t - 1; only response tokens have mask 1.
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass, field, fields
 
 import numpy as np
@@ -150,21 +151,45 @@ class Forward:
 
 
 def forward(model, batch: TrainBatch, temperature: float, entropy: bool = False, hidden: bool = False) -> Forward:
-    """Token log-probs under logits / temperature (and optionally entropy, hidden states)."""
-    out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, output_hidden_states=hidden)
-    logits = out.logits.float()[:, :-1]
+    """Token log-probs under logits / temperature (and optionally entropy, hidden states).
+
+    Logits are computed from the column before the first response token on (`logits_to_keep`,
+    where the model takes it): the LM head and log-softmax skip the prompt columns before it,
+    a third of the work of a short-answer batch's head."""
+    skip = _prompt_columns(batch) if _keeps_logits(model) else 0
+    keep = {"logits_to_keep": batch.input_ids.shape[1] - skip} if skip else {}
+    out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, output_hidden_states=hidden, **keep)
+    logits = out.logits.float()[:, :-1]  # column j predicts the token at skip + 1 + j
     if temperature != 1.0:  # (a copy of the logits, and one more in the backward pass)
         logits = logits / temperature
     logp_all = torch.log_softmax(logits, dim=-1)
-    picked = logp_all.gather(-1, batch.input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
-    res = Forward(torch.nn.functional.pad(picked, (1, 0)) * batch.mask)
+    picked = logp_all.gather(-1, batch.input_ids[:, skip + 1:].unsqueeze(-1)).squeeze(-1)
+    res = Forward(torch.nn.functional.pad(picked, (skip + 1, 0)) * batch.mask)
     if entropy:
         ent = -(logp_all.exp() * logp_all).sum(-1)
-        res.entropy = torch.nn.functional.pad(ent, (1, 0)) * batch.mask
+        res.entropy = torch.nn.functional.pad(ent, (skip + 1, 0)) * batch.mask
     if hidden:
         # the state that predicts token t sits at t - 1: shift right so V[t] scores the prefix before t
         res.hidden = torch.nn.functional.pad(out.hidden_states[-1][:, :-1], (0, 0, 1, 0))
     return res
+
+
+def _prompt_columns(batch: TrainBatch) -> int:
+    """Leading columns whose logits predict no response token: the first response column - 1."""
+    cols = torch.nonzero(batch.mask.any(0)).flatten()
+    return max(0, int(cols[0]) - 1) if len(cols) else 0
+
+
+_KEEPS_LOGITS: dict[type, bool] = {}
+
+
+def _keeps_logits(model) -> bool:
+    """Whether the model's forward takes `logits_to_keep` (transformers' causal LMs do; a model
+    that ships its own code may not)."""
+    cls = type(model)
+    if cls not in _KEEPS_LOGITS:
+        _KEEPS_LOGITS[cls] = "logits_to_keep" in inspect.signature(cls.forward).parameters
+    return _KEEPS_LOGITS[cls]
 
 
 def token_logprobs(model, batch: TrainBatch, temperature: float) -> torch.Tensor:

@@ -2,13 +2,14 @@
 
 import copy
 
+import pyarrow as pa
 import pytest
 import torch
 from trainer_rollouts import rollout_table as _table
 
 from pipeline.config import TrainerConfig
 from pipeline.models import load_model, load_tokenizer
-from pipeline.trainer.batch import collate, pack_micro_batches, padding_ratio, shard_groups
+from pipeline.trainer.batch import collate, forward, pack_micro_batches, padding_ratio, shard_groups
 from pipeline.trainer.critic import ActorCritic, ValueHead
 from pipeline.trainer.step import train_step
 
@@ -43,6 +44,44 @@ def test_groups_are_dealt_whole_to_ranks():
     for rows in (r0, r1):
         groups = set(b_index[rows].tolist())
         assert all(set(torch.nonzero(b_index == g).flatten().tolist()) <= set(rows.tolist()) for g in groups)
+
+
+def test_logits_start_at_the_first_response_column_with_the_same_log_probs_as_full_logits(digit_example):
+    """The LM head runs from the column before the first response token on (`logits_to_keep`);
+    log-probs and entropies are those of the full logits, for prompts of different lengths and a
+    temperature. A model whose forward does not take `logits_to_keep` gets the full logits."""
+    tok = load_tokenizer(f"{digit_example}/model")
+    model = load_model(f"{digit_example}/model")
+    table = _table(tok, [1.0, 0.0, 0.5, 0.2])
+    long_prompt = tok("please say 7 now: ", add_special_tokens=False)["input_ids"]
+    table = table.set_column(table.schema.get_field_index("prompt_token_ids"), "prompt_token_ids",
+                             pa.array([table["prompt_token_ids"][0].as_py(), long_prompt] * 2,
+                                      table.schema.field("prompt_token_ids").type))
+    batch = collate(table, tok.pad_token_id)
+    first = int(torch.nonzero(batch.mask.any(0)).flatten()[0])
+    assert first == len(table["prompt_token_ids"][0]) > 1
+
+    class FullLogits(torch.nn.Module):  # a model's own code without logits_to_keep
+        def __init__(self, m):
+            super().__init__()
+            self.m = m
+
+        def forward(self, input_ids, attention_mask, output_hidden_states=False):
+            return self.m(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=output_hidden_states)
+
+    widths = []
+    hook = model.lm_head.register_forward_hook(lambda mod, args, out: widths.append(args[0].shape[1]))
+    try:
+        for temperature in (1.0, 0.7):
+            kept = forward(model, batch, temperature, entropy=True)
+            full = forward(FullLogits(model), batch, temperature, entropy=True)
+            assert torch.allclose(kept.logprobs, full.logprobs, atol=1e-6)
+            assert torch.allclose(kept.entropy, full.entropy, atol=1e-6)
+            assert (kept.logprobs != 0).sum() == batch.mask.sum()
+    finally:
+        hook.remove()
+    T = batch.input_ids.shape[1]
+    assert widths == [T - first + 1, T, T - first + 1, T]
 
 
 @pytest.mark.parametrize("algorithm,agg", [("grpo", "token-mean"), ("rloo", "seq-mean-token-mean"), ("ppo", "token-mean")])
