@@ -171,15 +171,15 @@ class Trainer:
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lambda n: min(1.0, (n + 1) / warm) if warm else 1.0)
         self.buffer = ReplayBuffer(run.buffer_url, cfg.buffer)
         self.marks = ConsumedMarks(self.buffer, cfg.buffer)
-        self.feed = FreshFeed(self.buffer, run, tc.groups_per_step, cfg.sampler.poll_s, tc.wait_timeout_s,
-                              self.marks if world.is_main else None, steady=bool(tc.borrow_threads))
-        self.borrow = None
-        if tc.borrow_threads and world.size > 1:
+        borrow = bool(tc.borrow_threads) and world.size == 1
+        if tc.borrow_threads and not borrow:
             log.warning("trainer.borrow_threads=%d ignored: %d trainer processes (it is for one process that "
                         "shares a machine's cores with the samplers)", tc.borrow_threads, world.size)
-        elif tc.borrow_threads:
-            self.borrow = BorrowedThreads(tc.threads, tc.borrow_threads, cfg.sampler.max_staleness,
-                                          tc.groups_per_step, self.feed, self.buffer, cfg.sampler.poll_s)
+        # a borrowing trainer's read ahead polls steadily, so that it sees the next step's groups within a poll
+        self.feed = FreshFeed(self.buffer, run, tc.groups_per_step, cfg.sampler.poll_s, tc.wait_timeout_s,
+                              self.marks if world.is_main else None, steady=borrow)
+        self.borrow = BorrowedThreads(tc.threads, tc.borrow_threads, cfg.sampler.max_staleness, tc.groups_per_step,
+                                      self.feed, self.buffer, cfg.sampler.poll_s) if borrow else None
         self.state = TrainerState()
         ck = latest_checkpoint(run)
         if ck is not None:
