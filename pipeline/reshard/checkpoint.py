@@ -53,7 +53,7 @@ def read_meta(fs, root: str) -> dict | None:
         raise ReshardError(f"{root}/{META}: invalid JSON in checkpoint meta.json ({e})") from None
 
 
-def _dcp():
+def dcp_module():
     """torch.distributed.checkpoint, imported on first use: it loads torch.distributed.tensor
     (~1 s), which a process that only reads or publishes Hugging Face folders never needs."""
     import torch.distributed.checkpoint as dcp
@@ -63,7 +63,7 @@ def _dcp():
 
 def dcp_writer(url: str):
     """DCP's storage writer for the `dcp/` folder at `url`, on local disk or any fsspec URL."""
-    dcp = _dcp()
+    dcp = dcp_module()
     fs, path = url_to_fs(url)
     if is_local(fs):
         return dcp.FileSystemWriter(path, thread_count=1)
@@ -74,7 +74,7 @@ def dcp_writer(url: str):
 
 def dcp_reader(url: str):
     """DCP's storage reader for the `dcp/` folder at `url`."""
-    dcp = _dcp()
+    dcp = dcp_module()
     fs, path = url_to_fs(url)
     if is_local(fs):
         return dcp.FileSystemReader(path)
@@ -119,7 +119,7 @@ def save_dcp(state_dict: dict, dst_url: str, hf_meta_dir: str, step: int, world_
             dist.barrier()  # no rank writes before the remains are gone
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*assuming the intent is to save in a single process.*")
-            _dcp().save(state_dict, storage_writer=dcp_writer(f"{dst_url.rstrip('/')}/{DCP_DIR}"))
+            dcp_module().save(state_dict, storage_writer=dcp_writer(f"{dst_url.rstrip('/')}/{DCP_DIR}"))
         meta = checkpoint_meta(step, world_size, policy_version, kind)
         if main:
             for name in names:
@@ -141,5 +141,5 @@ def load_model_weights(checkpoint_url: str) -> dict[str, torch.Tensor]:
     if not template:
         raise ReshardError(f"{checkpoint_url}: no '{MODEL_PREFIX}*' entries; not a trainer checkpoint")
     state = {"model": template}
-    _dcp().load(state, storage_reader=dcp_reader(dcp_url))
+    dcp_module().load(state, storage_reader=dcp_reader(dcp_url))
     return state["model"]

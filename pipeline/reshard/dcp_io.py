@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from .checkpoint import dcp_module
 from .files import OutFile, open_read, read_into
 from .layout import MODEL_PREFIX, ReshardError, TensorSpec, dcp_rank_name
 
@@ -34,16 +35,6 @@ if TYPE_CHECKING:
     from torch.distributed.checkpoint.metadata import Metadata
 
 METADATA = ".metadata"
-
-
-def _dcp():
-    """torch.distributed.checkpoint's metadata classes, imported on first use: importing them
-    loads torch.distributed.tensor (~1 s), which publishing a Hugging Face folder never needs."""
-    from torch.distributed.checkpoint import filesystem, metadata
-
-    return metadata, filesystem._StorageInfo
-
-
 _ALLOWED = {
     ("torch.distributed.checkpoint.metadata", n) for n in (
         "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata", "TensorProperties",
@@ -64,13 +55,13 @@ class _MetadataUnpickler(pickle.Unpickler):
 
 
 def read_metadata(fs, path: str) -> Metadata:
-    md_types, _ = _dcp()
+    M = dcp_module().metadata
     try:
         with open_read(fs, path) as f:
             md = _MetadataUnpickler(io.BytesIO(f.read())).load()
     except FileNotFoundError:
         raise ReshardError(f"{path}: missing; the DCP checkpoint is incomplete") from None
-    if not isinstance(md, md_types.Metadata):
+    if not isinstance(md, M.Metadata):
         raise ReshardError(f"{path}: not a DCP metadata file")
     return md
 
@@ -117,7 +108,7 @@ class DCPReader:
     def __init__(self, fs, folder: str):
         self.fs, self.folder = fs, folder
         md = read_metadata(fs, f"{folder}/{METADATA}")
-        M, _ = _dcp()
+        M = dcp_module().metadata
         self.specs: list[TensorSpec] = []
         self._chunks: dict[str, list[_Chunk]] = {}
         for key, item in md.state_dict_metadata.items():
@@ -238,7 +229,8 @@ class DCPWriter:
         self.planner: dict = {}
 
     def write(self, spec: TensorSpec, t: torch.Tensor) -> None:
-        M, StorageInfo = _dcp()
+        dcp = dcp_module()
+        M, StorageInfo = dcp.metadata, dcp.filesystem._StorageInfo
         key = MODEL_PREFIX + spec.name
         chunks = []
         for r, (start, size) in enumerate(dim0_chunks(spec.shape[0], self.n) if spec.shape else [(0, 1)]):
@@ -259,7 +251,7 @@ class DCPWriter:
 
     def commit(self) -> dict[str, dict]:
         """Publish the rank files, then `.metadata` (DCP's own commit point)."""
-        M, _ = _dcp()
+        M = dcp_module().metadata
         entries = {dcp_rank_name(r): f.commit() for r, f in enumerate(self.files)}
         md = M.Metadata(
             state_dict_metadata=self.state_md, planner_data=self.planner, storage_data=self.storage,

@@ -7,6 +7,7 @@ logits at t - 1; only response tokens have mask 1.
 
 from __future__ import annotations
 
+import functools
 import inspect
 from dataclasses import dataclass, field, fields
 
@@ -180,16 +181,15 @@ def _prompt_columns(batch: TrainBatch) -> int:
     return max(0, int(cols[0]) - 1) if len(cols) else 0
 
 
-_KEEPS_LOGITS: dict[type, bool] = {}
-
-
 def _keeps_logits(model) -> bool:
     """Whether the model's forward takes `logits_to_keep` (transformers' causal LMs do; a model
     that ships its own code may not)."""
-    cls = type(model)
-    if cls not in _KEEPS_LOGITS:
-        _KEEPS_LOGITS[cls] = "logits_to_keep" in inspect.signature(cls.forward).parameters
-    return _KEEPS_LOGITS[cls]
+    return _forward_takes_logits_to_keep(type(model))
+
+
+@functools.cache
+def _forward_takes_logits_to_keep(cls: type) -> bool:
+    return "logits_to_keep" in inspect.signature(cls.forward).parameters
 
 
 def token_logprobs(model, batch: TrainBatch, temperature: float) -> torch.Tensor:
