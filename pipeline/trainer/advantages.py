@@ -23,7 +23,9 @@ def register(name: str):
 
 
 def _group_stats(rewards: torch.Tensor, group_index: torch.Tensor):
-    """Per-row group size, group sum and unbiased group std, each [N]."""
+    """Per-row group size, group sum, unbiased group std and whether the group's rewards are all
+    equal (a float sum of equal rewards divided by their count can miss them by an ulp, which the
+    std normalisation would blow up into a spurious advantage), each [N]."""
     r = rewards.float()
     n_groups = int(group_index.max()) + 1 if group_index.numel() else 0
     count = torch.zeros(n_groups).index_add_(0, group_index, torch.ones_like(r))
@@ -31,7 +33,9 @@ def _group_stats(rewards: torch.Tensor, group_index: torch.Tensor):
     mean = total / count.clamp_min(1)
     sq = torch.zeros(n_groups).index_add_(0, group_index, (r - mean[group_index]) ** 2)
     std = torch.where(count > 1, (sq / (count - 1).clamp_min(1)).sqrt(), torch.zeros_like(sq))
-    return count[group_index], total[group_index], std[group_index]
+    hi = torch.full((n_groups,), -torch.inf).scatter_reduce(0, group_index, r, reduce="amax")
+    lo = torch.full((n_groups,), torch.inf).scatter_reduce(0, group_index, r, reduce="amin")
+    return count[group_index], total[group_index], std[group_index], (hi == lo)[group_index]
 
 
 @register("grpo")
@@ -40,10 +44,11 @@ def grpo_advantages(rewards: torch.Tensor, group_index: torch.Tensor, std_normal
     """(r - mean_group(r)) / (std_group(r) + eps); without std normalisation: r - mean_group(r).
 
     The std is the unbiased sample std of the group, as in the GRPO paper and verl. A group whose
-    rewards are all equal gets zero advantage (no signal)."""
-    count, total, std = _group_stats(rewards, group_index)
+    rewards are all equal gets exactly zero advantage (no signal)."""
+    count, total, std, flat = _group_stats(rewards, group_index)
     centred = rewards.float() - total / count
-    return centred / (std + eps) if std_normalize else centred
+    adv = centred / (std + eps) if std_normalize else centred
+    return torch.where(flat, torch.zeros_like(adv), adv)
 
 
 @register("dr_grpo")
@@ -54,11 +59,12 @@ def dr_grpo_advantages(rewards: torch.Tensor, group_index: torch.Tensor, **_) ->
 
 @register("rloo")
 def rloo_advantages(rewards: torch.Tensor, group_index: torch.Tensor, **_) -> torch.Tensor:
-    """REINFORCE leave-one-out: r_i - mean_{j != i} r_j over the group (0 for a group of one)."""
-    count, total, _ = _group_stats(rewards, group_index)
+    """REINFORCE leave-one-out: r_i - mean_{j != i} r_j over the group (0 for a group of one, or
+    one whose rewards are all equal)."""
+    count, total, _, flat = _group_stats(rewards, group_index)
     r = rewards.float()
     loo = (total - r) / (count - 1).clamp_min(1)
-    return torch.where(count > 1, r - loo, torch.zeros_like(r))
+    return torch.where((count > 1) & ~flat, r - loo, torch.zeros_like(r))
 
 
 @register("reinforce_pp")

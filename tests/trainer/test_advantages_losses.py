@@ -2,7 +2,7 @@ import math
 
 import torch
 
-from pipeline.trainer.advantages import grpo_advantages
+from pipeline.trainer.advantages import ADVANTAGES, grpo_advantages
 from pipeline.trainer.losses import aggregate, clipped_policy_loss, kl_k3
 
 
@@ -20,6 +20,17 @@ def test_grpo_without_std_normalisation_is_centred_reward():
     r = torch.tensor([3.0, 1.0])
     adv = grpo_advantages(r, torch.tensor([0, 0]), std_normalize=False)
     assert adv.tolist() == [1.0, -1.0]
+
+
+def test_a_group_whose_rewards_are_all_equal_gets_exactly_zero_advantage():
+    """0.7 * 8 / 8 is not 0.7 in float32: the std normalisation used to turn that ulp into an
+    advantage of 0.056 for every completion of the group."""
+    r = torch.tensor([0.7] * 8 + [0.1] * 8 + [1 / 3] * 8 + [0.6] * 7 + [0.7])
+    g = torch.arange(32) // 8
+    for name in ("grpo", "dr_grpo", "rloo"):
+        adv = ADVANTAGES[name](r, g)
+        assert torch.equal(adv[:24], torch.zeros(24)), (name, adv)
+        assert (adv[24:31] < 0).all() and adv[31] > 0, (name, adv)
 
 
 def test_clipped_loss_on_policy_equals_minus_advantage_mean():
