@@ -1,6 +1,8 @@
 """One optimizer step (or `update_epochs` of them) on one batch of whole groups.
 
-    advantages on the whole batch (every rank holds it)  ->  this rank's groups
+    advantages on the whole batch (every rank holds it)
+    -> [rows whose advantage is 0 leave it when nothing else is in the loss: no KL, entropy, critic]
+    -> this rank's groups
     -> micro-batches packed by token budget (same count on every rank: FSDP collectives)
     -> [no-grad pass: proximal log-probs, values -> GAE / V-trace advantages and targets]
     -> for each update epoch: forward/backward per micro-batch (losses divided by the whole
@@ -14,7 +16,8 @@ chosen by their advantages within the whole group (`kept_rows`).
 Metrics: is/weight_mean, is/weight_max (untruncated pi_prox / mu), is/clip_frac (share truncated
 at C); actor/logprob_gap = mean |log pi - log mu| on rows the sampler generated with the trainer's
 current version (pure sampler/trainer numerics); actor/behavior_shift = the same over all rows
-(numerics plus policy drift since the data was generated); trainer/padding_ratio.
+(numerics plus policy drift since the data was generated); trainer/padding_ratio;
+trainer/skipped_rows (rows left out for a zero advantage); actor/entropy over the rows trained.
 """
 
 from __future__ import annotations
@@ -246,6 +249,27 @@ def _scaled_step(precision: Precision, opt, params, max_norm: float, lr_scale: f
             g["lr"] = lr
 
 
+def _skip_zero_gradient_rows(batch: TrainBatch, seq_adv, tally: _Tally, world: World, zero_only: bool):
+    """(batch, seq_adv, rows left out): with `zero_only` (the loss has no term but the policy
+    gradient: no KL, no entropy bonus, no critic), rows whose advantage is exactly 0 (a group
+    whose rewards are all equal) add nothing to the gradient, so they need no forward or backward
+    pass; the loss keeps the whole batch's denominator, so the update is the one the whole batch
+    makes. Their response tokens still count in their groups' priorities. One row stays when all
+    are zero, so the optimizer steps as it would (momentum, weight decay)."""
+    if not zero_only:
+        return batch, seq_adv, 0
+    live = seq_adv != 0
+    if bool(live.all()):
+        return batch, seq_adv, 0
+    if not bool(live.any()):
+        live[0] = True
+    if world.rank == 0:  # _reduce sums the tallies over ranks
+        gone = ~live
+        tally.prio[1].index_add_(0, batch.group_index[gone], batch.mask[gone].sum(-1).double())
+    keep = torch.nonzero(live).flatten()
+    return batch.select(keep), seq_adv[keep], int((~live).sum())
+
+
 def train_step(actor: ActorCritic, ref, opt, batch: TrainBatch, tc: TrainerConfig, temperature: float, *,
                world: World | None = None, scheduler=None, version: int | None = None,
                precision: Precision = FULL, lr_scale: float = 1.0, rows: str = "all",
@@ -271,9 +295,11 @@ def train_step(actor: ActorCritic, ref, opt, batch: TrainBatch, tc: TrainerConfi
                              "rewards are equal); replay only groups with reward variance (L2 keeps only those)")
         batch, seq_adv = batch.select(kept), seq_adv[kept]
     denom = denominator(batch.mask, tc.loss_agg)
+    tally = _Tally.new(len(batch.group_ids))
+    batch, seq_adv, skipped = _skip_zero_gradient_rows(batch, seq_adv, tally, world, zero_only=(
+        seq_adv is not None and not algo.critic and ref is None and tc.entropy_coef == 0))
     plan, plan_rows, pad = _plan(batch, tc, world)
     prox, tok_adv, targets = _advantages(actor, algo, plan, tc, temperature, world)
-    tally = _Tally.new(len(batch.group_ids))
     grad_norm = 0.0
     params = [p for p in actor.parameters() if p.requires_grad]
     for epoch in range(tc.update_epochs):
@@ -297,5 +323,7 @@ def train_step(actor: ActorCritic, ref, opt, batch: TrainBatch, tc: TrainerConfi
     sums, maxes, prio, pad = _reduce(tally, pad, world)
     loss_sum = sums["pg_sum"] + tc.kl_coef * sums["kl_sum"] - tc.entropy_coef * sums["ent_sum"] + tc.vf_coef * sums["vf_sum"]
     stats = _stats(sums, maxes, denom, grad_norm, pad, len(plan), ref is not None, algo.critic)
+    stats["actor/entropy"] = sums["ent_sum"] / denominator(batch.mask, tc.loss_agg)  # over the rows trained
+    stats["trainer/skipped_rows"] = skipped
     priorities = (prio[0] / prio[1].clamp_min(1)).float()
     return StepResult(loss=loss_sum / denom, stats=stats, priorities=priorities, rows=kept)

@@ -131,3 +131,32 @@ def test_replay_rows_default_to_positive_for_group_algorithms_and_to_all_for_ppo
     assert TrainerConfig(algorithm="ppo").replay_rows == "all"  # ppo has token advantages, no groups
     with pytest.raises(ValueError, match="replay_rows=positive picks rows by their group's advantage"):
         TrainerConfig(algorithm="ppo", replay_rows="positive")
+
+
+def test_rows_with_zero_advantage_skip_forward_and_backward_and_the_update_is_the_same(digit_example, monkeypatch):
+    """Groups whose rewards are all equal add nothing to the policy gradient (no KL, no entropy
+    bonus): their rows get no forward or backward pass, and the update equals the whole batch's
+    (the loss keeps the whole batch's denominator). With an entropy bonus every row trains."""
+    import pipeline.trainer.step as step
+
+    path = f"{digit_example}/model"
+    tok = load_tokenizer(path)
+    batch = collate(_table(tok, [1.0, 0.0, 0.5, 0.0] + [0.7] * 4 + [0.0] * 4 + [0.2, 0.9, 0.9, 0.4]), tok.pad_token_id)
+    tc = TrainerConfig(max_grad_norm=1e9)
+    rows_seen = []
+    real_forward = step.forward
+    monkeypatch.setattr(step, "forward", lambda model, mb, *a, **k: rows_seen.append(mb.mask.shape[0]) or
+                        real_forward(model, mb, *a, **k))
+    skipped, res = _sgd_update(path, batch, tc)
+    assert rows_seen == [8] and res.stats["trainer/skipped_rows"] == 8
+    with monkeypatch.context() as m:
+        m.setattr(step, "_skip_zero_gradient_rows", lambda batch, seq_adv, *a, **k: (batch, seq_adv, 0))
+        whole, res_whole = _sgd_update(path, batch, tc)
+    assert rows_seen[1:] == [16]
+    assert skipped.abs().max() > 1e-4
+    torch.testing.assert_close(skipped, whole, rtol=1e-4, atol=1e-5 * float(whole.abs().max()))
+    assert res.loss == pytest.approx(res_whole.loss, rel=1e-5)
+    assert res.priorities.tolist() == pytest.approx(res_whole.priorities.tolist(), rel=1e-5)
+    rows_seen.clear()
+    _, res = _sgd_update(path, batch, TrainerConfig(entropy_coef=0.01))
+    assert rows_seen == [16] and res.stats["trainer/skipped_rows"] == 0
