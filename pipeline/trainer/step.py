@@ -214,11 +214,12 @@ def _reduce(t: _Tally, pad: float, world: World) -> tuple[dict, dict, torch.Tens
     return dict(zip(_SUMS, flat.tolist())), dict(zip(_MAXES, mx.tolist())), prio, float(pad_t[0]) / world.size
 
 
-def _stats(sums: dict, maxes: dict, denom: float, grad_norm: float, pad: float, n_micro: int,
+def _stats(sums: dict, maxes: dict, denom: float, ent_denom: float, grad_norm: float, pad: float, n_micro: int,
            with_ref: bool, with_critic: bool) -> dict:
+    """`denom`: the whole batch's loss denominator; `ent_denom`: that of the rows trained (the entropy's)."""
     n = max(sums["tokens"], 1.0)
     stats = {
-        "actor/pg_loss": sums["pg_sum"] / denom, "actor/entropy": sums["ent_sum"] / denom,
+        "actor/pg_loss": sums["pg_sum"] / denom, "actor/entropy": sums["ent_sum"] / ent_denom,
         "actor/clip_frac": sums["clip_sum"] / n, "actor/ratio_mean": sums["ratio_sum"] / n,
         "actor/ratio_max": maxes["ratio_max"], "actor/grad_norm": grad_norm,
         "actor/behavior_shift": sums["shift_sum"] / n,
@@ -322,8 +323,8 @@ def train_step(actor: ActorCritic, ref, opt, batch: TrainBatch, tc: TrainerConfi
 
     sums, maxes, prio, pad = _reduce(tally, pad, world)
     loss_sum = sums["pg_sum"] + tc.kl_coef * sums["kl_sum"] - tc.entropy_coef * sums["ent_sum"] + tc.vf_coef * sums["vf_sum"]
-    stats = _stats(sums, maxes, denom, grad_norm, pad, len(plan), ref is not None, algo.critic)
-    stats["actor/entropy"] = sums["ent_sum"] / denominator(batch.mask, tc.loss_agg)  # over the rows trained
+    stats = _stats(sums, maxes, denom, denominator(batch.mask, tc.loss_agg), grad_norm, pad, len(plan),
+                   ref is not None, algo.critic)
     stats["trainer/skipped_rows"] = skipped
     priorities = (prio[0] / prio[1].clamp_min(1)).float()
     return StepResult(loss=loss_sum / denom, stats=stats, priorities=priorities, rows=kept)
