@@ -64,9 +64,7 @@ def deployment():
 
     af = LocalAirflow(home=tmp / "airflow", port=free_port(), runs_root=str(tmp / "runs"),
                       extra_env={"RLHF_PROMPTS_ROOT": str(tmp / "prompts"),
-                                 "RLHF_NOTIFIER": f"file:{tmp / 'alerts.jsonl'}",
-                                 # the third sampler replica (only the gang runs have one) is slow
-                                 "RLHF_SAMPLER_DELAY_S": "sampler-2=3.0"})
+                                 "RLHF_NOTIFIER": f"file:{tmp / 'alerts.jsonl'}"})
     client = af.up(wait_s=300)
     try:
         for dag_id in ("rlhf_train", "rlhf_retrain"):
@@ -384,11 +382,8 @@ def test_two_runs_on_a_pool_too_small_for_both_run_one_after_the_other(deploymen
             draws[sid] = [r["sampler/draw"] for r in records if "sampler/draw" in r]
         every = [d for ds in draws.values() for d in ds]
         assert len(every) == len(set(every))  # the three replicas never generated the same prompt draw
-        # the slow replica made no more batches than the busier fast one. When each replica's task
-        # starts varies with the executor: one fast replica may start after the other two have made
-        # this short run's six batches (CI: sampler-0 none, sampler-1 three, the slow one three).
-        # How replicas share the work is tests/integration/test_scale_out_runs.py's subject.
-        assert len(draws["sampler-2"]) <= max(len(draws["sampler-0"]), len(draws["sampler-1"])), draws
+        # How many batches each replica makes depends on when the executor starts its task; how
+        # replicas share the work, a slow one among them, is tests/integration/test_scale_out_runs.py's.
         bound = run.config().sampler.max_staleness
         assert max(r["staleness/max"] for r in run.read_metrics("trainer") if "step" in r) <= bound
     nodes = [r["world_size"] for t, r_id in zip(tis, run_ids) for r in
