@@ -23,14 +23,11 @@ import shutil
 import time
 import uuid
 
-import torch
-
-from .data import write_rows
-from .devices import set_threads
 from .model_cache import cache_dir
-from .models import render_prompt
-from .tiny_model import build_tiny_model, build_tokenizer
 from .builtin_tasks import TASKS, corpus, make_rows
+
+# torch, transformers and the tokenizer builder load inside the builders: a run whose example is
+# already cached (`ensure_example`) starts without them.
 
 EXAMPLE_VERSION = 1
 # Supervised warm-start steps per task: enough that sampled answers earn partial credit,
@@ -48,6 +45,10 @@ def warm_start(model, tokenizer, rows: list[dict], steps: int, seed: int, batch:
     """Supervised steps on (prompt, answer<eos>) pairs; loss on answer tokens only."""
     if steps <= 0:
         return []
+    import torch
+
+    from .models import render_prompt
+
     rng = random.Random(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
     model.train()
@@ -82,6 +83,10 @@ def build_example(out_dir: str, task: str = "sort", seed: int = 0, size: str = "
                   warm_steps: int | None = None, threads: int = 2) -> str:
     if task not in TASKS:
         raise ValueError(f"unknown built-in task {task!r}; choose one of {', '.join(TASKS)}")
+    from .data import write_rows
+    from .devices import set_threads
+    from .tiny_model import build_tiny_model, build_tokenizer
+
     set_threads(threads)
     t0 = time.time()
     tmp = f"{out_dir.rstrip('/')}.tmp-{uuid.uuid4().hex[:8]}"
@@ -112,6 +117,7 @@ def build_tiny_reward_model(out_dir: str, tokenizer_dir: str, target: str = "7",
     keys, identity values), so the last position holds the mean of the normalised token
     embeddings, and the score head points at the target's embedding (about 0 for text without
     it, near 1 for text made of it). Writes model and tokenizer to `out_dir`."""
+    import torch
     from transformers import AutoTokenizer, Qwen2Config, Qwen2ForSequenceClassification
 
     tok = AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True)
@@ -174,8 +180,11 @@ def build_tiny_arch(out_dir: str, family: str, seed: int = 0, task: str = "sort"
     generation_config.json listing every EOS id. The Llama 3 model is built like Meta's: an
     end-of-turn token beside the tokenizer's EOS (both in the generation config) and no pad
     token (the pipeline pads with EOS then). Deterministic for (family, seed, task)."""
+    import torch
     import transformers
     from transformers import AutoModelForCausalLM, GenerationConfig
+
+    from .tiny_model import build_tokenizer
 
     if family not in ARCH_FAMILIES:
         raise ValueError(f"unknown architecture family {family!r}; choose one of {', '.join(ARCH_FAMILIES)}")

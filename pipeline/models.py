@@ -10,8 +10,6 @@ from __future__ import annotations
 import contextlib
 from pathlib import Path
 
-import torch
-
 from .model_cache import localize
 
 
@@ -47,6 +45,7 @@ def eos_token_ids(path: str, tokenizer) -> list[int]:
 def load_model(path: str, dtype: str = "float32", *, trust_remote_code: bool = False):
     """Any Hugging Face causal LM; `trust_remote_code` (the run's `model.trust_remote_code`) runs
     the modelling code a folder ships for architectures transformers does not know."""
+    import torch
     from transformers import AutoModelForCausalLM
 
     with _remote_code_hint(path):
