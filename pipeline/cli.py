@@ -74,12 +74,22 @@ def _engine(args, module: str, name: str):
         if args.after_prepare:
             from .rundir import RunDir
 
-            RunDir(args.run_dir).wait_prepared()
+            run = RunDir(args.run_dir)
+            if not run.prepared():
+                _preload()  # (seconds of imports, while the runner prepares the run)
+            run.wait_prepared()
     except StopSignal:
         if args.after_prepare:
             return None
         raise
     return entry
+
+
+def _preload() -> None:
+    """Import what an engine loads first: torch and transformers' auto classes (~2 s on a laptop's
+    core; the modules of the model classes need the cores the preparation is using)."""
+    import torch  # noqa: F401
+    from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: F401
 
 
 def cmd_finalize(args) -> int:

@@ -188,6 +188,8 @@ class TrainerConfig(_Section):
     """V-trace truncation of the trace coefficients c."""
     micro_batch_tokens: int = Field(8192, gt=0)
     """Dynamic batching: padded tokens per micro-batch; gradients are accumulated over micro-batches."""
+    share_prompts: bool = True
+    """Each distinct prompt of a micro-batch passes through the model once, not once per completion: a prompt pass keeps its attention cache and the group's responses attend to it (same log-probs and gradient up to float rounding; micro-batches hold whole groups). Used on the batches where it computes fewer positions than one pass over every row (short answers: the demo's batches take half the work; long, uneven answers to short prompts: one pass); not with the critic (ppo) or gradient_checkpointing. Off: one pass over every row's prompt and response. Metric: trainer/shared_prompts (1 on the steps that used it)."""
     phases: int = Field(1, gt=0)
     """The fresh steps are split into this many equal phases; each ends with a checkpoint and a phase marker."""
     replay_epochs: int = Field(0, ge=0)

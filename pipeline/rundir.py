@@ -168,12 +168,16 @@ class RunDir:
     def exists(self) -> bool:
         return file_exists(self.fs, self.path("config.yaml"))
 
+    def prepared(self) -> bool:
+        """Whether this run's preparation has ended (`prepare.json` is written)."""
+        return file_exists(self.fs, self.path("prepare.json"))
+
     def wait_prepared(self, poll_s: float = 0.1) -> None:
         """Wait for the end of this run's preparation (`prepare.json`, its last write): an engine
         the local runner starts while it prepares a new run. Raises RuntimeError once the process
         that started this one is gone."""
         parent = os.getppid()
-        while not file_exists(self.fs, self.path("prepare.json")):
+        while not self.prepared():
             if os.getppid() != parent:
                 raise RuntimeError(f"{self.url}: the process that started this one stopped before the run was prepared")
             time.sleep(poll_s)

@@ -151,12 +151,18 @@ class Forward:
     hidden: torch.Tensor | None = None    # [B, T, H] final hidden states (for the value head)
 
 
-def forward(model, batch: TrainBatch, temperature: float, entropy: bool = False, hidden: bool = False) -> Forward:
+def forward(model, batch: TrainBatch, temperature: float, entropy: bool = False, hidden: bool = False,
+            share: bool = False) -> Forward:
     """Token log-probs under logits / temperature (and optionally entropy, hidden states).
+    `share`: each distinct prompt passes once (`pipeline.trainer.prefix`; not with `hidden`).
 
     Logits are computed from the column before the first response token on (`logits_to_keep`,
     where the model takes it): the LM head and log-softmax skip the prompt columns before it,
     a third of the work of a short-answer batch's head."""
+    if share and not hidden:
+        from .prefix import shared_forward
+
+        return shared_forward(model, batch, temperature, entropy)
     skip = _prompt_columns(batch) if _keeps_logits(model) else 0
     keep = {"logits_to_keep": batch.input_ids.shape[1] - skip} if skip else {}
     out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, output_hidden_states=hidden, **keep)

@@ -17,7 +17,8 @@ Metrics: is/weight_mean, is/weight_max (untruncated pi_prox / mu), is/clip_frac 
 at C); actor/logprob_gap = mean |log pi - log mu| on rows the sampler generated with the trainer's
 current version (pure sampler/trainer numerics); actor/behavior_shift = the same over all rows
 (numerics plus policy drift since the data was generated); trainer/padding_ratio;
-trainer/skipped_rows (rows left out for a zero advantage); actor/entropy over the rows trained.
+trainer/skipped_rows (rows left out for a zero advantage); trainer/shared_prompts (1: this step's
+prompts passed once per micro-batch, see `prefix`); actor/entropy over the rows trained.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from .critic import ActorCritic
 from .distributed import World, full_tensor
 from .losses import KL_ESTIMATORS, aggregate_sum, denominator, policy_loss, value_loss
 from .precision import FULL, Precision
+from .prefix import pack_shared, shared_padding_ratio, worth_sharing
 
 _SUMS = ("tokens", "clip_sum", "ratio_sum", "is_sum", "is_clipped", "pg_sum", "kl_sum", "ent_sum", "vf_sum",
          "gap_sum", "gap_tokens", "shift_sum", "pad_real", "pad_total", "samples", "value_sum", "target_sum")
@@ -62,19 +64,29 @@ def kept_rows(rewards: torch.Tensor, group_index: torch.Tensor, seq_adv: torch.T
     return torch.nonzero(keep).flatten()
 
 
-def _plan(batch: TrainBatch, tc: TrainerConfig, world: World) -> tuple[list[tuple[TrainBatch, float]], list, float]:
+def _plan(batch: TrainBatch, tc: TrainerConfig, world: World, share: bool) -> tuple[list[tuple[TrainBatch, float]], list, float]:
     """This rank's micro-batches with a loss scale (0 for padding micro-batches), their row indices
-    in `batch`, and the padding ratio."""
+    in `batch`, and the padding ratio. `share`: whole groups per micro-batch (`prefix.pack_shared`)."""
     rows = shard_groups(batch, world.rank, world.size)
-    lengths = batch.lengths[rows]
-    mbs = [rows[mb] for mb in pack_micro_batches(lengths, tc.micro_batch_tokens)] if rows.numel() else []
-    pad = padding_ratio(batch.lengths, mbs) if mbs else 0.0
+    if share:
+        mbs = pack_shared(batch, rows, tc.micro_batch_tokens) if rows.numel() else []
+        pad = shared_padding_ratio(batch, mbs) if mbs else 0.0
+    else:
+        mbs = [rows[mb] for mb in pack_micro_batches(batch.lengths[rows], tc.micro_batch_tokens)] if rows.numel() else []
+        pad = padding_ratio(batch.lengths, mbs) if mbs else 0.0
     plan = [(batch.select(mb).to(world.device), 1.0) for mb in mbs]
     n = world.max_int(len(plan))
     filler_rows = rows[:1] if rows.numel() else torch.tensor([0])
     plan += [(batch.select(filler_rows).to(world.device), 0.0)] * (n - len(plan))
     # (forward/backward with zero loss keeps the ranks in step)
     return plan, mbs + [filler_rows] * (n - len(mbs)), pad
+
+
+def _shares(batch: TrainBatch, tc: TrainerConfig, algo) -> bool:
+    """Shared prompts for this batch: where they save work; not for the critic (values at every
+    column) nor with gradient checkpointing (no attention cache)."""
+    return (tc.share_prompts and not algo.critic and not tc.gradient_checkpointing
+            and worth_sharing(batch, tc.micro_batch_tokens))
 
 
 def _whiten(advs: list[torch.Tensor], plan, world: World, eps: float = 1e-6) -> list[torch.Tensor]:
@@ -136,14 +148,14 @@ class _Loss:
     values: torch.Tensor | None = None
 
 
-def _advantages(actor: ActorCritic, algo, plan, tc: TrainerConfig, temperature: float, world: World):
+def _advantages(actor: ActorCritic, algo, plan, tc: TrainerConfig, temperature: float, world: World, share: bool):
     """(proximal log-probs per micro-batch (None: the current policy's, detached), token
     advantages and value targets per micro-batch (critic only))."""
     prox: list[torch.Tensor | None] = [None] * len(plan)
     tok_adv = targets = None
     if algo.critic or tc.update_epochs > 1:
         with torch.no_grad():
-            pre = [forward(actor.policy, mb, temperature, hidden=algo.critic) for mb, _ in plan]
+            pre = [forward(actor.policy, mb, temperature, hidden=algo.critic, share=share) for mb, _ in plan]
         prox = [f.logprobs for f in pre]
         if algo.critic:
             tok_adv, targets, _ = _critic_advantages(actor, plan, prox, [f.hidden for f in pre], tc, world)
@@ -151,10 +163,10 @@ def _advantages(actor: ActorCritic, algo, plan, tc: TrainerConfig, temperature: 
 
 
 def _micro_batch_loss(actor: ActorCritic, ref, mb: TrainBatch, prox, adv, target, algo, tc: TrainerConfig,
-                      temperature: float) -> _Loss:
+                      temperature: float, share: bool) -> _Loss:
     """Policy loss (+ KL to the reference, - entropy bonus, + value loss) of one micro-batch, summed
     over its tokens as `tc.loss_agg` says (not yet divided by the batch's denominator)."""
-    f = forward(actor.policy, mb, temperature, entropy=True, hidden=algo.critic)
+    f = forward(actor.policy, mb, temperature, entropy=True, hidden=algo.critic, share=share)
     p = prox if prox is not None else f.logprobs.detach()
     per_tok, s = policy_loss(f.logprobs, p, mb.behavior_logprobs, adv, mb.mask, clip_eps=tc.clip_eps,
                              decoupled=tc.decoupled, is_level=tc.is_level, is_clip=tc.is_clip)
@@ -164,7 +176,7 @@ def _micro_batch_loss(actor: ActorCritic, ref, mb: TrainBatch, prox, adv, target
     out = _Loss(total=pg, logprobs=f.logprobs, prox=p, adv=adv, s=s, pg=pg, ent=ent)
     if ref is not None:
         with torch.no_grad():
-            ref_lp = forward(ref, mb, temperature).logprobs
+            ref_lp = forward(ref, mb, temperature, share=share).logprobs
         out.kl = aggregate_sum(KL_ESTIMATORS[tc.kl_estimator](f.logprobs, ref_lp), mb.mask, tc.loss_agg)
         out.total = out.total + tc.kl_coef * out.kl
     if tc.entropy_coef > 0:
@@ -299,8 +311,9 @@ def train_step(actor: ActorCritic, ref, opt, batch: TrainBatch, tc: TrainerConfi
     tally = _Tally.new(len(batch.group_ids))
     batch, seq_adv, skipped = _skip_zero_gradient_rows(batch, seq_adv, tally, world, zero_only=(
         seq_adv is not None and not algo.critic and ref is None and tc.entropy_coef == 0))
-    plan, plan_rows, pad = _plan(batch, tc, world)
-    prox, tok_adv, targets = _advantages(actor, algo, plan, tc, temperature, world)
+    share = _shares(batch, tc, algo)
+    plan, plan_rows, pad = _plan(batch, tc, world, share)
+    prox, tok_adv, targets = _advantages(actor, algo, plan, tc, temperature, world, share)
     grad_norm = 0.0
     params = [p for p in actor.parameters() if p.requires_grad]
     for epoch in range(tc.update_epochs):
@@ -310,7 +323,7 @@ def train_step(actor: ActorCritic, ref, opt, batch: TrainBatch, tc: TrainerConfi
                 before_micro_batch()
             adv = tok_adv[i] if algo.critic else seq_adv[plan_rows[i]].to(world.device)
             target = targets[i] if algo.critic else None
-            loss = _micro_batch_loss(actor, ref, mb, prox[i], adv, target, algo, tc, temperature)
+            loss = _micro_batch_loss(actor, ref, mb, prox[i], adv, target, algo, tc, temperature, share)
             # / denom: the whole batch's denominator (accumulation == one big batch);
             # * world.size: FSDP averages gradients over ranks, the loss is a sum over them
             precision.backward(loss.total / denom * scale * world.size)
@@ -326,5 +339,6 @@ def train_step(actor: ActorCritic, ref, opt, batch: TrainBatch, tc: TrainerConfi
     stats = _stats(sums, maxes, denom, denominator(batch.mask, tc.loss_agg), grad_norm, pad, len(plan),
                    ref is not None, algo.critic)
     stats["trainer/skipped_rows"] = skipped
+    stats["trainer/shared_prompts"] = int(share)
     priorities = (prio[0] / prio[1].clamp_min(1)).float()
     return StepResult(loss=loss_sum / denom, stats=stats, priorities=priorities, rows=kept)

@@ -98,7 +98,9 @@ def test_gradient_accumulation_equals_one_big_batch(digit_example, algorithm, ag
     for budget in (10_000, 12):
         actor = ActorCritic(copy.deepcopy(base), copy.deepcopy(critic))
         opt = torch.optim.SGD(actor.parameters(), lr=0.5)
-        tc = TrainerConfig(algorithm=algorithm, loss_agg=agg, micro_batch_tokens=budget, max_grad_norm=1e9)
+        # (rows one by one: shared prompts keep groups whole, see test_shared_prompts)
+        tc = TrainerConfig(algorithm=algorithm, loss_agg=agg, micro_batch_tokens=budget, max_grad_norm=1e9,
+                           share_prompts=False)
         res = train_step(actor, None, opt, batch, tc, temperature=1.0)
         results[budget] = (res, {k: v.detach().clone() for k, v in actor.named_parameters()})
     big, small = results[10_000], results[12]

@@ -94,7 +94,7 @@ def test_train_step_asks_before_every_micro_batch_of_every_update_epoch(digit_ex
     model = load_model(f"{digit_example}/model").train()
     tok = load_tokenizer(f"{digit_example}/model")
     batch = collate(rollout_table(tok, [1.0, 0.0, 0.5, 0.0, 1.0, 1.0, 0.0, 0.2]), tok.pad_token_id)
-    tc = TrainerConfig(micro_batch_tokens=int(batch.lengths.max()) * 3, update_epochs=2)
+    tc = TrainerConfig(micro_batch_tokens=int(batch.lengths.max()) * 3, update_epochs=2, share_prompts=False)
     calls = []
     res = train_step(ActorCritic(model), None, torch.optim.SGD(model.parameters(), lr=0.1), batch, tc,
                      temperature=1.0, before_micro_batch=lambda: calls.append(1))
