@@ -86,10 +86,12 @@ def _engine(args, module: str, name: str):
 
 
 def _preload() -> None:
-    """Import what an engine loads first: torch and transformers' auto classes (~2 s on a laptop's
-    core; the modules of the model classes need the cores the preparation is using)."""
+    """Import what an engine loads first, whatever the model's architecture: torch, transformers'
+    auto classes and the modules every model class imports (3-4 s of a core on this project's CPU
+    machines)."""
     import torch  # noqa: F401
-    from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: F401
+    import transformers.masking_utils  # noqa: F401
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationMixin, PreTrainedModel  # noqa: F401
 
 
 def cmd_finalize(args) -> int:
