@@ -45,14 +45,15 @@ def prompt_lengths(batch: TrainBatch) -> torch.Tensor:
 
 def _prompts(batch: TrainBatch, p_len: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(rows heading each distinct prompt [U], each row's prompt index into them [B])."""
-    B, T = batch.input_ids.shape
-    _, group = torch.unique(batch.group_index, return_inverse=True)
-    first = torch.full((int(group.max()) + 1 if B else 0,), B, dtype=torch.long)
-    first = first.scatter_reduce(0, group, torch.arange(B), reduce="amin")[group]
-    in_prompt = torch.arange(T, device=p_len.device)[None] < p_len[:, None]
     ids = batch.input_ids
+    (B, T), dev = ids.shape, ids.device
+    rows = torch.arange(B, device=dev)
+    _, group = torch.unique(batch.group_index, return_inverse=True)
+    first = torch.full((int(group.max()) + 1 if B else 0,), B, dtype=torch.long, device=dev)
+    first = first.scatter_reduce(0, group, rows, reduce="amin")[group]
+    in_prompt = torch.arange(T, device=dev)[None] < p_len[:, None]
     same = (p_len == p_len[first]) & ((ids == ids[first]) | ~in_prompt).all(-1)
-    head = torch.where(same, first, torch.arange(B))
+    head = torch.where(same, first, rows)
     heads, inv = torch.unique(head, return_inverse=True)
     return heads, inv
 
