@@ -25,6 +25,10 @@ class TrainerStopped(Exception):
     """The stop marker appeared while waiting for data or a replay gate."""
 
 
+class GaveWay(Exception):
+    """A replay update stopped between two micro-batches for fresh data (`trainer.replay_yield`)."""
+
+
 class _Cancelled(Exception):
     """A read ahead was given up (the trainer ended, or its cursor moved elsewhere)."""
 

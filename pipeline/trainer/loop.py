@@ -40,7 +40,7 @@ from .batch import collate
 from .checkpoint import TrainerState, latest_checkpoint, load_checkpoint, save_checkpoint
 from .critic import ActorCritic, ValueHead
 from .distributed import World, init_world, shard
-from .feed import ConsumedMarks, FreshFeed, TrainerStopped, wait_for_gate
+from .feed import ConsumedMarks, FreshFeed, GaveWay, TrainerStopped, wait_for_gate
 from .phases import phase_end_steps, replay_epoch_steps
 from .publish import BackgroundPublisher, publish_policy
 from .precision import Precision
@@ -257,6 +257,11 @@ class Trainer:
         due = self.state.step >= self.tc.steps or self.feed.ready()
         return bool(self.world.max_int(int(due)))
 
+    def _give_way(self) -> None:
+        """Before each replay micro-batch (`replay_yield`): fresh data due stops the update unapplied."""
+        if self.fresh_due():
+            raise GaveWay
+
     def replay_epoch(self, epoch: int) -> int:
         """One pass over L2: eligible // groups_per_step draws by priority. Returns updates taken."""
         tc, st, world = self.tc, self.state, self.world
@@ -273,9 +278,14 @@ class Trainer:
             if len(rb) == 0:
                 break
             batch = collate(rb.table, self.tokenizer.pad_token_id, rb.weights)
-            res = train_step(self.actor, self.ref, self.opt, batch, self.tc, self.cfg.sampler.temperature,
-                             world=world, scheduler=self.sched, version=None, precision=self.precision,
-                             lr_scale=tc.replay_lr_scale, rows=tc.replay_rows)
+            try:
+                res = train_step(self.actor, self.ref, self.opt, batch, self.tc, self.cfg.sampler.temperature,
+                                 world=world, scheduler=self.sched, version=None, precision=self.precision,
+                                 lr_scale=tc.replay_lr_scale, rows=tc.replay_rows,
+                                 before_micro_batch=self._give_way if tc.replay_yield else None)
+            except GaveWay:
+                log.info("replay epoch %d: gives way to fresh data during update %d of %d", epoch, i + 1, n)
+                break
             st.updates += tc.update_epochs
             if world.is_main:
                 index = {g: k for k, g in enumerate(batch.group_ids)}
