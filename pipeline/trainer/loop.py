@@ -258,7 +258,7 @@ class Trainer:
         return bool(self.world.max_int(int(due)))
 
     def _give_way(self) -> None:
-        """Before each replay micro-batch (`replay_yield`): fresh data due stops the update unapplied."""
+        """Before each replay micro-batch (`replay_yield`, one update epoch): fresh data stops it unapplied."""
         if self.fresh_due():
             raise GaveWay
 
@@ -282,7 +282,7 @@ class Trainer:
                 res = train_step(self.actor, self.ref, self.opt, batch, self.tc, self.cfg.sampler.temperature,
                                  world=world, scheduler=self.sched, version=None, precision=self.precision,
                                  lr_scale=tc.replay_lr_scale, rows=tc.replay_rows,
-                                 before_micro_batch=self._give_way if tc.replay_yield else None)
+                                 before_micro_batch=self._give_way if tc.replay_yield and tc.update_epochs == 1 else None)
             except GaveWay:
                 log.info("replay epoch %d: gives way to fresh data during update %d of %d", epoch, i + 1, n)
                 break

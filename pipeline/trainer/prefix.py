@@ -28,7 +28,7 @@ import inspect
 
 import torch
 
-from .batch import Forward, TrainBatch
+from .batch import Forward, TrainBatch, pack_micro_batches
 
 
 @functools.cache
@@ -140,8 +140,6 @@ PASS_OVERHEAD = 1.15
 def worth_sharing(batch: TrainBatch, token_budget: int) -> bool:
     """Whether shared prompts compute fewer positions (after PASS_OVERHEAD) than one pass over
     every row, for the whole batch (every rank holds it, so every rank decides the same)."""
-    from .batch import pack_micro_batches
-
     rows = torch.arange(len(batch.lengths))
     if not len(rows):
         return False
