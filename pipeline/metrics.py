@@ -115,6 +115,16 @@ class StreamReader:
         return [r for p in paths for r in self._read[p]]
 
 
+class NullMetrics:
+    """Metrics of trainer ranks other than 0: `MetricsLog`'s writing methods, no output."""
+
+    def log(self, record: dict) -> None:
+        pass
+
+    def flush(self) -> None:
+        pass
+
+
 class MetricsLog:
     """The writer of one stream (one process per stream). Local disk: appended and flushed per
     record. Object stores: a new part every `flush_every` records or `flush_s` seconds, whichever

@@ -13,6 +13,7 @@ version.
         weights, write new priorities back
         phase end: checkpoint + phase marker | every checkpoint_every: checkpoint
         otherwise every sync_every: publish the policy in-process, delete versions past the newest K
+        (resumed at such a step: its version again, if the kill came before it was committed)
 
 Run as one process or under torchrun (see distributed.py). Rank 0 alone writes metrics, markers,
 buffer commits and policies.
@@ -30,6 +31,7 @@ import torch
 from ..buffer import ReplayBuffer
 from ..devices import set_threads
 from ..lineage import LineageWriter, NullLineage
+from ..metrics import NullMetrics
 from ..models import load_model, load_tokenizer
 from ..orchestration import replay_gate_min_groups, replay_gate_ready
 from ..policy import PolicyStore
@@ -48,16 +50,6 @@ from .step import train_step
 
 log = logging.getLogger("rlhf.trainer")
 FAULT_ENV = "RLHF_TRAINER_KILL_AFTER_STEP"  # fault injection for the resume tests: SIGKILL after step N
-
-
-class NullMetrics:
-    """Metrics of ranks other than 0: same methods, no output."""
-
-    def log(self, record: dict) -> None:
-        pass
-
-    def flush(self) -> None:
-        pass
 
 
 def check_config(cfg) -> None:
@@ -340,6 +332,11 @@ class Trainer:
         return save_checkpoint(self.run, self.actor, self.opt, self.sched, self.state, self.tokenizer, self.world,
                                kind=kind, keep=self.tc.keep_checkpoints)
 
+    def _publish(self, publisher) -> None:
+        """Publish the weights as version `step` (idempotent: a version already committed stays)."""
+        publish_policy(self.run, self.state.step, self.actor, self.tokenizer, self.world, dtype=self.precision.dtype,
+                       publisher=publisher)
+
     def run_loop(self) -> dict:
         tc, st, world, run = self.tc, self.state, self.world, self.run
         phase_ends = phase_end_steps(tc)
@@ -351,6 +348,10 @@ class Trainer:
         ok = False
         publisher = BackgroundPublisher(self.store, tc, replace=not self.cfg.sampler.fixed_lag) if world.is_main else None
         try:
+            if st.step and st.step not in phase_ends and st.step % tc.sync_every == 0:
+                # resumed: a trainer killed between its checkpoint and that step's publication left
+                # the version uncommitted, and a fixed-lag sampler waits for exactly that one
+                self._publish(publisher)
             while st.step < tc.steps:
                 rec = self.fresh_step()
                 if kill_at and st.step == kill_at:
@@ -365,8 +366,7 @@ class Trainer:
                 elif tc.checkpoint_every and st.step % tc.checkpoint_every == 0:
                     self._checkpoint("periodic")
                 if st.step not in phase_ends and st.step % tc.sync_every == 0:
-                    publish_policy(run, st.step, self.actor, self.tokenizer, world, dtype=self.precision.dtype,
-                                   publisher=publisher)
+                    self._publish(publisher)
                 if world.is_main and (st.step % tc.log_every == 0 or st.step == tc.steps):
                     log.info("step %d/%d reward %.3f loss %.4f staleness %.2f tok/s %.0f", st.step, tc.steps,
                              rec["reward/mean"], rec["actor/loss"], rec["staleness/mean"], rec["perf/tokens_per_s"])

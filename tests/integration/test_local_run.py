@@ -203,21 +203,36 @@ def test_rerunning_an_interrupted_run_resumes_it_to_the_end(tmp_path, spawn):
 
 
 def test_a_run_that_cannot_be_prepared_stops_the_engines_started_beside_it(tmp_path, spawn):
-    """`rlhf run` starts sampler and trainer while it prepares a new run; bad input ends them."""
+    """`rlhf run` starts sampler and trainer while it prepares a new run; bad input ends them.
+
+    The reward module (checked before the data) holds the preparation until the test has seen both
+    engines: without it, a preparation that fails in milliseconds could end before they show."""
+    go = tmp_path / "go"
+    reward = tmp_path / "held_reward.py"
+    reward.write_text(
+        "import os, time\n"
+        "deadline = time.time() + 120\n"
+        f"while not os.path.exists({str(go)!r}) and time.time() < deadline:\n"
+        "    time.sleep(0.02)\n\n\n"
+        "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+        "    return 0.0\n")
     p = spawn([sys.executable, "-m", "pipeline", "run", "configs/tiny-test.yaml", "--run-dir", str(tmp_path / "r1"),
-               "--no-progress", "--set", "data.train=/nonexistent/train.parquet"],
+               "--no-progress", "--set", f"reward.fn={reward}:compute_score",
+               "--set", "data.train=/nonexistent/train.parquet"],
               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    started = set()
-    while p.poll() is None:  # the engines it started, seen while they live
+    started, deadline = [], time.time() + 60
+    while len(started) < 2 and p.poll() is None and time.time() < deadline:
         try:
-            started |= {c.pid for c in psutil.Process(p.pid).children(recursive=True)}
-        except psutil.NoSuchProcess:
-            break
+            started = [c for c in psutil.Process(p.pid).children(recursive=True) if "--after-prepare" in c.cmdline()]
+        except psutil.Error:
+            pass
         time.sleep(0.05)
+    go.touch()
     _, err = p.communicate(timeout=120)
+    assert len(started) >= 2, f"engines seen while the run was being prepared: {started}\n{err}"
     assert p.returncode == 2
     lines = [line for line in err.strip().splitlines() if line]
     assert len(lines) == 1 and "data.train" in lines[0], err
-    gone, alive = psutil.wait_procs([psutil.Process(q) for q in started if psutil.pid_exists(q)], timeout=5)
-    assert len(started) >= 2 and not [q for q in alive if q.status() != psutil.STATUS_ZOMBIE]
+    gone, alive = psutil.wait_procs(started, timeout=5)
+    assert not [q for q in alive if q.status() != psutil.STATUS_ZOMBIE]
     assert not (tmp_path / "r1").exists()

@@ -148,3 +148,25 @@ def test_two_process_fsdp_run_makes_the_same_updates_as_one_process(uninterrupte
     """Same data, same config: FSDP2 over 2 CPU processes learns exactly what 1 process learns."""
     one, two = uninterrupted(1), uninterrupted(2)
     assert_same(two, one, atol=1e-4)
+
+
+def test_a_resumed_trainer_publishes_the_version_its_checkpoint_was_taken_for(tmp_path):
+    """Killed after the checkpoint of step N but before version N was committed (its background
+    publication had not finished), the trainer publishes version N when it resumes from that
+    checkpoint: a fixed-lag sampler that is scheduled to generate with exactly it would wait for
+    it forever."""
+    from safetensors.torch import load_file
+
+    from pipeline.rundir import RunDir
+
+    url = make_run(tmp_path / "run", {**CONFIG, "trainer": {**CONFIG["trainer"], "sync_every": N}})
+    assert trainer(url, kill_after=N + 1) != 0
+    run, store = RunDir(url), PolicyStore(RunDir(url))
+    [ck] = list_checkpoints(run)
+    at_checkpoint = load_model_weights(ck.url)
+    if store.exists(N):  # the publication got through before the kill: undo it, as a kill before it would
+        run.fs.rm(store.url(N), recursive=True)
+    assert not store.exists(N)
+    trainer(url)
+    assert store.exists(N) and store.manifest(N)["step"] == N
+    assert_same(load_file(os.path.join(store.local_dir(N), "model.safetensors")), at_checkpoint, atol=0.0)
