@@ -75,10 +75,11 @@ class ReplayBuffer:
     def state(self) -> BufferState:
         return self.log.state
 
-    def refresh(self) -> BufferState:
-        """Catch up with commits made since the last call (reads only the new log entries)."""
+    def refresh(self, poll: bool = False) -> BufferState:
+        """Catch up with commits made since the last call (reads only the new log entries); `poll`:
+        for a reader waiting for new commits (`CommitLog.refresh`)."""
         with self._lock:
-            self.log.refresh()
+            self.log.refresh(poll)
             return self.log.state
 
     @contextmanager
@@ -152,7 +153,7 @@ class ReplayBuffer:
         with self._lock:
             st = self.log.state
             if not self.log.is_open or self._known_groups(st, seq, g, max_groups) < max_groups:
-                st = self.refresh()  # only when the commits already seen cannot fill the batch
+                st = self.refresh(poll=True)  # only when the commits already seen cannot fill the batch
             if seq > st.next_seq:
                 raise ValueError(f"buffer cursor {cursor!r} is past the end of {self.url} "
                                  f"(next L1 sequence {st.next_seq}); was it saved for another buffer?")

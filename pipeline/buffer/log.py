@@ -43,8 +43,9 @@ from fsspec.implementations.memory import MemoryFileSystem
 
 from ..storage import is_local, join, list_names, put_atomic, put_if_absent, read_bytes
 from .actions import ACTION_TYPES, Action, AddShard, LogEntry, MalformedEntry, Quarantine, UnknownAction
-from .logfiles import (LOG_DIR, LOG_FORMAT, POINTER, TIP, CorruptLog, UnsupportedLogFormat, check_format,
-                       checkpoint_name, entry_name, is_int, seal, unseal, unusable)
+from .logfiles import (LOG_DIR, LOG_FORMAT, POINTER, TIP, CommitConflict, CorruptLog, UnsupportedLogFormat,
+                       check_format, checkpoint_name, entry_name, is_int, seal, shards_still_live, unseal, unusable)
+from .notices import CommitNotices
 from .state import BufferState
 
 log = logging.getLogger(__name__)
@@ -55,21 +56,6 @@ _REMOTE_PROBE = 8  # most entries read in parallel when catching up on remote st
 _CONTENDED_APPENDS = 16  # appends that use and update the tip hint after one another appender wrote
 _BACKOFF_MAX = 8  # after a lost race on remote storage, wait up to this many round trips (times misses)
 _BLIND_TRIES = 4  # lost add-only races before catching up with the log instead of trying the next number
-
-
-class CommitConflict(RuntimeError):
-    """A commit whose precondition no longer holds after another process committed first."""
-
-
-def shards_still_live(paths: Sequence[str], what: str = "shards") -> Callable[[BufferState], None]:
-    """Commit precondition: every shard about to be removed is still live."""
-
-    def check(st: BufferState) -> None:
-        gone = [p for p in paths if p not in st.shards]
-        if gone:
-            raise CommitConflict(f"{what} already removed by another process: {gone[:3]}")
-
-    return check
 
 
 class CommitLog:
@@ -91,6 +77,7 @@ class CommitLog:
         self._own: dict[int, LogEntry] = {}  # entries this process appended past its state: not read back
         # object stores: every request is a round trip, so contending writers share a tip hint
         self._remote = not is_local(fs) and not isinstance(fs, MemoryFileSystem)
+        self._notices = CommitNotices(self.dir, uuid.uuid4().hex[:12]) if self._remote else None
         self._contended = 0  # appends left to start from the hint (and to update it): see `_append`
         self._id, self._tip_by = uuid.uuid4().hex[:12], ""  # who writes our tips; who wrote the last read
 
@@ -200,14 +187,20 @@ class CommitLog:
             log.error("buffer log %s/%s: %s", self.dir, name, reason)
             return LogEntry(version, 0.0, (Quarantine(f"{LOG_DIR}/{name}", reason),))
 
-    def refresh(self) -> list[LogEntry]:
-        """Apply every entry committed after the state's version; returns them in order."""
+    def refresh(self, poll: bool = False) -> list[LogEntry]:
+        """Apply every entry committed after the state's version; returns them in order. `poll`: a
+        reader waiting for new entries, which on a remote log skips the store when the commit
+        notices of this node tell it nothing is new (see notices.py)."""
         if not self._opened:
             self.open()
+            return []
+        if poll and self._notices is not None and not self._notices.worth_probing(self.state.version):
             return []
         applied = self._probe(self.state.version + 1)
         for entry in applied:
             self.state.apply(entry)
+            if self._notices is not None:
+                self._notices.met(entry.writer)
         if self._own:  # those a checkpoint or a parallel read got past
             self._own = {v: e for v, e in self._own.items() if v > self.state.version}
         if not applied:
@@ -279,6 +272,8 @@ class CommitLog:
             entry = LogEntry(self.state.version + 1, time.time(), actions, txn, writer)
             if put_if_absent(self.fs, join(self.dir, entry_name(entry.version)), seal(entry.to_json()), self.fsync):
                 self.state.apply(entry)
+                if self._notices is not None:
+                    self._notices.committed(entry.version, writer)
                 self._maybe_checkpoint(entry.version)
                 return entry.version
             for got in self.refresh():
@@ -328,6 +323,8 @@ class CommitLog:
             else:
                 v += 1
         self._tip = v
+        if self._notices is not None:
+            self._notices.committed(v, writer)
         if publish:
             put_atomic(self.fs, join(self.dir, TIP), json.dumps({"v": v, "by": self._id}).encode(), fsync=False)
         if v == self.state.version + 1:

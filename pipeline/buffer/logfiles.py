@@ -13,8 +13,12 @@ are read as they are. The rest of the file is plain JSON: `json.loads` reads any
 from __future__ import annotations
 
 import json
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import xxhash
+
+if TYPE_CHECKING:
+    from .state import BufferState
 
 LOG_DIR = "_log"
 POINTER = "_last_checkpoint"
@@ -31,6 +35,21 @@ class CorruptLog(ValueError):
 
 class UnsupportedLogFormat(RuntimeError):
     """A commit-log file written by a newer rlhf-pipeline; the message names the file."""
+
+
+class CommitConflict(RuntimeError):
+    """A commit whose precondition no longer holds after another process committed first."""
+
+
+def shards_still_live(paths: Sequence[str], what: str = "shards") -> Callable[["BufferState"], None]:
+    """Commit precondition: every shard about to be removed is still live."""
+
+    def check(st: "BufferState") -> None:
+        gone = [p for p in paths if p not in st.shards]
+        if gone:
+            raise CommitConflict(f"{what} already removed by another process: {gone[:3]}")
+
+    return check
 
 
 def entry_name(version: int) -> str:

@@ -1,4 +1,5 @@
-"""What the commit log asks of remote storage: the requests an appender makes for the tip hint.
+"""What the commit log asks of remote storage: the requests an appender makes for the tip hint,
+and those a polling reader skips thanks to the commit notices of its node.
 
 memory:// stands in for an object store (`_remote` forced on); the log module's storage calls are
 counted by path."""
@@ -13,7 +14,9 @@ import pytest
 from pipeline.buffer import log as log_mod
 from pipeline.buffer.actions import AddShard, MarkConsumed
 from pipeline.buffer.log import CommitLog
-from pipeline.buffer.logfiles import TIP
+from pipeline.buffer import notices as notices_mod
+from pipeline.buffer.logfiles import TIP, entry_name
+from pipeline.buffer.notices import REMOTE_POLL_S, CommitNotices
 from pipeline.storage import url_to_fs
 
 
@@ -80,3 +83,54 @@ def test_appenders_racing_each_other_share_the_tip(calls):
     assert _add(a, "a4") == 9  # reads the tip (its own, 7) and writes 9
     assert _tip(calls) == before + 2
     assert a._contended == log_mod._CONTENDED_APPENDS - 1
+
+
+def _beside(lg: CommitLog, node: str) -> CommitLog:
+    """`lg` as a process of node `node` (a folder standing for that node's local disk)."""
+    lg._notices = CommitNotices(lg.dir, uuid.uuid4().hex[:12], root=node)
+    return lg
+
+
+@pytest.fixture
+def clock(monkeypatch) -> list[float]:
+    now = [1000.0]
+    monkeypatch.setattr(notices_mod.time, "monotonic", lambda: now[0])
+    return now
+
+
+def _probes(calls: Counter, lg: CommitLog) -> int:
+    """Reads of the entry after `lg`'s state: what a poll that finds nothing asks of the store."""
+    return calls[("read_bytes", entry_name(lg.state.version + 1))]
+
+
+def test_a_polling_reader_skips_the_store_while_the_writer_beside_it_commits_nothing(calls, clock, tmp_path):
+    sampler, trainer = _logs("sampler-0", "")
+    _beside(sampler, str(tmp_path)), _beside(trainer, str(tmp_path))
+    _add(sampler, "a")
+    assert len(trainer.refresh(poll=True)) == 1
+    before = _probes(calls, trainer)
+    for _ in range(20):
+        assert trainer.refresh(poll=True) == []
+    assert _probes(calls, trainer) == before  # the sampler's notice names nothing past what it read
+    assert len(trainer.refresh()) == 0 and _probes(calls, trainer) == before + 1  # not polling: it asks
+    _add(sampler, "b")
+    assert len(trainer.refresh(poll=True)) == 1  # noticed at once
+    before = _probes(calls, trainer)
+    clock[0] += REMOTE_POLL_S  # and at least every REMOTE_POLL_S, for writers not met yet
+    assert trainer.refresh(poll=True) == [] and _probes(calls, trainer) == before + 1
+
+
+def test_a_writer_on_another_node_makes_every_poll_ask_the_store(calls, clock, tmp_path):
+    sampler, trainer = _logs("sampler-1", "")
+    _beside(sampler, str(tmp_path / "node-b")), _beside(trainer, str(tmp_path / "node-a"))
+    _add(trainer, "t")  # the trainer's own commits leave a notice on its node
+    trainer.refresh()
+    _add(sampler, "a")
+    clock[0] += REMOTE_POLL_S
+    assert len(trainer.refresh(poll=True)) == 1  # met at the periodic probe
+    before = _probes(calls, trainer)
+    for _ in range(5):
+        trainer.refresh(poll=True)
+    assert _probes(calls, trainer) == before + 5
+    _add(sampler, "b")
+    assert len(trainer.refresh(poll=True)) == 1
