@@ -4,8 +4,9 @@
 folder that `pipeline.reshard` writes into `policy/v<K>/` from any layout it reads (a trainer
 checkpoint, a Hugging Face folder, tp:N) and commits with its create-only manifest; a version exists
 only once that manifest exists, so a sampler never loads a partial folder. `policy/latest.json`
-points to the newest version; it is a hint updated after the commit, and the manifest stays the
-source of truth. The publications: v0 in `prepare` (`publish_folder`), the trainer's in-phase
+points to the newest version; it is a hint updated after the commit (on object stores at most
+every REMOTE_POLL_S while a publisher seeds local copies), and the manifest stays the source of
+truth. The publications: v0 in `prepare` (`publish_folder`), the trainer's in-phase
 versions (`publish_model`, in-memory weights) and each phase's checkpoint (`publish_checkpoint`,
 which also verifies every file against the manifest; the DAG's reshard task and the local runner
 call it).
@@ -35,7 +36,7 @@ from typing import Iterable, Iterator
 from .model_cache import cache_dir
 from .policy_cache import REMOTE_POLL_S, SHARED, VERSION_RE, LocalCopies, version_dirname
 from .rundir import RunDir
-from .storage import delete, delete_files, file_exists, is_local, list_files, list_names, put_atomic, read_bytes
+from .storage import delete, file_exists, is_local, list_names, put_atomic, read_bytes
 
 log = logging.getLogger("rlhf.policy")
 LEASES = "leases"
@@ -70,6 +71,8 @@ class PolicyStore:
         self._polled = float("-inf")  # when latest.json was last read while a local publisher seeds
         self._new_above: int | None = None  # publisher: no version folder above this was there at its start
         self._hinted: int | None = None  # publisher: the version its last latest.json named
+        self._hint_due: int | None = None  # publisher on an object store: a version whose latest.json waits
+        self._hinted_at = float("-inf")
         self._stored: set[str] = set()  # publisher: shared files known to be in policy/files/
         self._leased: set[str] = set()  # holders whose lease this store wrote and did not remove
 
@@ -116,6 +119,13 @@ class PolicyStore:
         if hint is None or version >= hint:
             put_atomic(self.fs, self.run.path("policy", "latest.json"), json.dumps({"version": version}).encode())
             self._hinted = version
+        self._hint_due, self._hinted_at = None, time.monotonic()
+
+    def flush_hint(self) -> None:
+        """Write the `latest.json` that `publish_model` deferred, if any (its publisher calls this
+        once it has published nothing for REMOTE_POLL_S, and at its end)."""
+        if self._hint_due is not None:
+            self._move_hint(self._hint_due)
 
     def publish_model(self, version: int, model, tokenizer, meta: dict | None = None,
                       weights: dict | None = None) -> bool:
@@ -123,7 +133,10 @@ class PolicyStore:
         e.g. gathered from FSDP2 shards) or else the model's own state dict, with its config,
         generation config and `tokenizer`. Idempotent like `publish_folder`: the first call of a
         store lists the version folders once; a later version above them all is new without a
-        request. On object stores the store also seeds this node's local copy."""
+        request. On object stores the store also seeds this node's local copy; then `latest.json`
+        (for readers on other nodes, which read it at most every REMOTE_POLL_S while a local copy
+        is fresh, and otherwise at every poll) moves at most every REMOTE_POLL_S: a version
+        published sooner waits for the next publication or `flush_hint`."""
         if self._new_above is None:
             self._new_above = max(self._folders(), default=-1)
         if version <= self._new_above and self.exists(version):
@@ -140,8 +153,11 @@ class PolicyStore:
             manifest = self._publish(version, folder, {**(meta or {}), SHARED: shared} if shared else meta,
                                      hint=not remote)
             if manifest is not None and remote:  # the samplers beside it first, then the hint for others
-                self._seed(version, folder, meta, manifest, aside)
-                self._move_hint(version)
+                if self._seed(version, folder, meta, manifest, aside) and \
+                        time.monotonic() - self._hinted_at < REMOTE_POLL_S:
+                    self._hint_due = version
+                else:
+                    self._move_hint(version)
             return manifest is not None
 
     def _share(self, folder: str, aside: str) -> dict:
@@ -209,6 +225,20 @@ class PolicyStore:
             self._polled = time.monotonic()
         hint = self._hint()
         return hint if hint is not None and hint > version else None
+
+    def committed(self, version: int) -> bool:
+        """Whether `version` is committed, for a loader's poll (`sampler.fixed_lag`), knowing that
+        in-phase versions are published in order: one request (its manifest). On object stores
+        this node's copies answer first (a copy of it or of a newer version), and while a publisher
+        on this node seeds them the store is asked at most every REMOTE_POLL_S."""
+        if not is_local(self.fs):
+            local, fresh = self._copies().newest()
+            if local is not None and local >= version:
+                return True
+            if fresh and time.monotonic() - self._polled < REMOTE_POLL_S:
+                return False
+            self._polled = time.monotonic()
+        return self.exists(version)
 
     def latest(self) -> int | None:
         hint = self._hint()
@@ -294,39 +324,10 @@ class PolicyStore:
     # retention --------------------------------------------------------------------------------
     def retain(self, keep: int, protected: Iterable[int] = ()) -> list[int]:
         """Delete the versions older than the newest `keep` committed ones, except `protected` and
-        those under a lease. Returns the versions deleted.
+        those under a lease; returns those deleted (`pipeline.policy_retention`)."""
+        from .policy_retention import retain
 
-        One listing of `policy/` finds every version's files. Each doomed version goes in two steps:
-        its manifest first (the uncommit: from then on no reader starts on it), then, once the
-        leases have been read, its files; each step is one bulk deletion on object stores. A loader
-        writes its lease before it reads the manifest (`lease_latest`), so a loader that found the
-        manifest has a lease this read sees. Folders without a manifest (a killed publication, or
-        files kept for a lease) are removed by a later call. Only the publisher of the versions
-        that are not `protected` may call this, after its publication returned: a version being
-        published is either newer than the newest `keep` or protected."""
-        if keep < 1:
-            raise ValueError(f"keep={keep}: at least the newest version must stay")
-        files: dict[int, list[str]] = {}
-        for entry in list_files(self.fs, self.run.path("policy"), include_hidden=True):
-            m = VERSION_RE.match(entry.rel.split("/", 1)[0])
-            if m and "/" in entry.rel:
-                files.setdefault(int(m.group(1)), []).append(entry.rel)
-        kept = [v for v in sorted(files, reverse=True) if f"{version_dirname(v)}/manifest.json" in files[v]][:keep]
-        if len(kept) < keep:
-            return []
-        protected = set(protected)
-        doomed = [v for v in sorted(files) if v < kept[-1] and v not in protected]
-        if not doomed:
-            return []
-        delete_files(self.fs, [self._dir(v) + "/manifest.json" for v in doomed
-                               if f"{version_dirname(v)}/manifest.json" in files[v]])
-        leased = self.leased()
-        deleted = [v for v in doomed if v not in leased]
-        delete_files(self.fs, [self.run.path("policy", rel) for v in deleted for rel in files[v]],
-                     folders=[self._dir(v) for v in deleted])
-        if deleted:
-            log.info("policy retention: deleted %s", ", ".join(f"v{v}" for v in deleted))
-        return deleted
+        return retain(self, keep, protected)
 
     # local copies -----------------------------------------------------------------------------
     def _copies(self) -> LocalCopies:
@@ -361,10 +362,10 @@ class PolicyStore:
 
         return copies.download(version, manifest, fetch)
 
-    def _seed(self, version: int, folder: str, meta: dict | None, manifest: dict, aside: str) -> None:
+    def _seed(self, version: int, folder: str, meta: dict | None, manifest: dict, aside: str) -> bool:
         """Place this node's copy of `version`, just committed from the local `folder` (and its
         shared files in `aside`): the same publication into a local folder, kept if it lists the
-        same files as `manifest`."""
+        same files as `manifest`. False when no copy was placed."""
         from .reshard import ReshardError, publish
 
         def build(out: str) -> dict:
@@ -374,10 +375,12 @@ class PolicyStore:
             return written
 
         try:
-            if not self._copies().seed(version, manifest, build):
-                log.debug("policy v%d: no local copy seeded", version)
+            if self._copies().seed(version, manifest, build):
+                return True
+            log.debug("policy v%d: no local copy seeded", version)
         except (OSError, ReshardError) as e:  # the samplers here download it instead
             log.warning("policy v%d: seeding the local copy failed (%s)", version, e)
+        return False
 
     @contextlib.contextmanager
     def _pinned(self, folder: str) -> Iterator[bool]:

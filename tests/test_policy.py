@@ -4,6 +4,7 @@ loaders fall back to the newest version, and local copies of a remote run stay b
 import json
 import os
 import sys
+import tempfile
 import uuid
 from collections import Counter
 from pathlib import Path
@@ -11,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from pipeline.policy import PolicyStore, version_dirname
-from pipeline.policy_cache import LOCAL_COPIES
+from pipeline.policy_cache import LOCAL_COPIES, LocalCopies
 from pipeline.rundir import RunDir
 from pipeline.weights import load_state_dict
 
@@ -235,6 +236,25 @@ def test_a_version_published_elsewhere_is_still_seen_while_a_local_seed_is_fresh
     assert sampler.leased() == {2}
 
 
+def test_on_object_stores_the_hint_moves_at_most_every_remote_poll_and_a_deferred_one_is_flushed(model_dir):
+    from pipeline.policy_cache import REMOTE_POLL_S
+
+    url = f"memory://policy-test-{uuid.uuid4().hex}/run-1"
+    _store(url).publish_folder(0, model_dir)  # prepare's
+    publisher = _store(url)
+    assert _publish_model(publisher, model_dir, 1) and publisher._hint() == 1
+    assert _publish_model(publisher, model_dir, 2) and publisher._hint() == 1  # deferred
+    beside, elsewhere = _store(url), _store(url)
+    assert beside.published_after(1) == 2 and beside.committed(2)  # its local copy tells it
+    elsewhere._local = LocalCopies(Path(tempfile.mkdtemp()))  # another node: no copies
+    assert elsewhere.published_after(1) is None and elsewhere.committed(2)  # the manifest is there
+    assert not elsewhere.committed(3)
+    publisher.flush_hint()
+    assert publisher._hint() == 2 and elsewhere.published_after(1) == 2
+    publisher._hinted_at -= REMOTE_POLL_S  # as long after as that
+    assert _publish_model(publisher, model_dir, 3) and publisher._hint() == 3
+
+
 def test_a_run_prepared_again_at_the_same_url_does_not_read_the_old_runs_copies(model_dir):
     url = f"memory://policy-test-{uuid.uuid4().hex}/run-1"
     first = _store(url)
@@ -263,7 +283,9 @@ def test_a_publisher_checks_for_an_existing_version_only_below_what_was_there_wh
             mp.setattr(PolicyStore, name, lambda self, *a, _n=name, _r=real: calls.update([_n]) or _r(self, *a))
         assert _publish_model(resumed, model_dir, 3) and _publish_model(resumed, model_dir, 4)
     assert calls == Counter(_hint=1), calls  # new versions: not checked; the hint read once, then known
-    assert resumed.latest() == 4 and resumed._hint() == 4
+    assert resumed.latest() == 4 and resumed._hint() == 3  # v4's hint waits (within REMOTE_POLL_S of v3's)
+    resumed.flush_hint()
+    assert resumed._hint() == 4
 
 
 def test_in_phase_versions_on_object_stores_share_their_tokenizer_and_downloads_restore_it(model_dir):
@@ -278,7 +300,7 @@ def test_in_phase_versions_on_object_stores_share_their_tokenizer_and_downloads_
         real = publisher.fs.pipe_file
         mp.setattr(publisher.fs, "pipe_file", lambda path, *a, **kw: puts.append(path) or real(path, *a, **kw))
         assert _publish_model(publisher, model_dir, 2)
-    assert any(p.endswith("latest.json") for p in puts)
+    assert not any(p.endswith("latest.json") for p in puts)  # v1's hint is younger than REMOTE_POLL_S
     assert not [p for p in puts if "/files/" in p]  # the shared files went up once, with v1
     m = publisher.manifest(2)
     assert {"tokenizer.json", "tokenizer_config.json"} <= set(m["shared"]) and "tokenizer.json" not in m["files"]

@@ -23,11 +23,13 @@ from typing import Iterator, Sequence
 
 import numpy as np
 import pyarrow as pa
+from fsspec.implementations.memory import MemoryFileSystem
 
 from ..config import BufferConfig
-from ..storage import to_url, url_to_fs
+from ..storage import is_local, to_url, url_to_fs
 from .actions import Action, MarkConsumed, Quarantine, RecordReplays
 from .log import CommitLog
+from .notices import ShardCopies
 from .promotion import promote
 from .replay import ReplayBatch, annealed_beta, draw
 from .schema import ROLLOUT_SCHEMA
@@ -69,6 +71,9 @@ class ReplayBuffer:
         self._cache: OrderedDict[str, pa.Table] = OrderedDict()  # recently read shards
         self._cache_lock = threading.Lock()
         self.evicted_unread_shards = 0  # L1 shards removed before this reader got to them
+        # on object stores: the L1 shards of this node's writers, also on local disk (notices.py)
+        remote = not is_local(self.fs) and not isinstance(self.fs, MemoryFileSystem)
+        self.shard_copies = ShardCopies(self.url) if remote else None
 
     # log access -------------------------------------------------------------------------------
     @property
@@ -109,7 +114,8 @@ class ReplayBuffer:
             if table is not None:
                 self._cache.move_to_end(info.path)
                 return table
-        table = read_shard(self.fs, self.root, info.path)
+        copy = self.shard_copies.get(info.path, info.bytes) if self.shard_copies is not None else None
+        table = read_shard(self.fs, self.root, info.path, copy)
         if table.num_rows != info.rows:
             raise CorruptShard(f"{self.root}/{info.path}: {table.num_rows} rows, the commit log says {info.rows}")
         with self._cache_lock:

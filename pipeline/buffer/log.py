@@ -156,13 +156,14 @@ class CommitLog:
             f"version {self.state.version} cannot be rebuilt; restore the checkpoint from a backup"
         )
 
-    def read_entry(self, version: int) -> LogEntry | None:
-        """Entry `version`, or None when there is none. An unusable entry reads as a quarantine of
-        itself; a newer format or action raises UnsupportedLogFormat."""
+    def read_entry(self, version: int, raw: bytes | None = None) -> LogEntry | None:
+        """Entry `version` (read from `raw` when given: a commit notice's copy), or None when there
+        is none. An unusable entry reads as a quarantine of itself; a newer format or action raises
+        UnsupportedLogFormat."""
         name = entry_name(version)
         path = join(self.dir, name)
         try:
-            raw = read_bytes(self.fs, path)
+            raw = read_bytes(self.fs, path) if raw is None else raw
         except FileNotFoundError:
             return None
         self.files_read += 1
@@ -189,14 +190,14 @@ class CommitLog:
 
     def refresh(self, poll: bool = False) -> list[LogEntry]:
         """Apply every entry committed after the state's version; returns them in order. `poll`: a
-        reader waiting for new entries, which on a remote log skips the store when the commit
-        notices of this node tell it nothing is new (see notices.py)."""
+        reader waiting for new entries, which on a remote log goes by the commit notices here."""
         if not self._opened:
             self.open()
             return []
-        if poll and self._notices is not None and not self._notices.worth_probing(self.state.version):
+        wanted, end = self._notices.poll(self.state.version) if poll and self._notices is not None else (True, None)
+        if not wanted:
             return []
-        applied = self._probe(self.state.version + 1)
+        applied = self._probe(self.state.version + 1, end)
         for entry in applied:
             self.state.apply(entry)
             if self._notices is not None:
@@ -207,22 +208,24 @@ class CommitLog:
             self._catch_up_after_retention()
         return applied
 
-    def _probe(self, start: int) -> list[LogEntry]:
-        """Entries start, start+1, ... up to the first missing one. Local storage reads them one
-        by one. Remote storage reads the first two one by one (and those after one of its own), so
-        an idle poll costs one request and a single new entry two, then reads 2, 4, ... up to
-        _REMOTE_PROBE at once: catching up on many entries takes few round trips, and reading past
-        the end of the log wastes at most half of the last batch."""
+    def _probe(self, start: int, end: int | None = None) -> list[LogEntry]:
+        """Entries start, start+1, ... up to the first missing one (or `end`, the newest noticed).
+        Local storage reads them one by one. Remote storage reads the first two one by one (and
+        those after one of its own), then 2, 4, ... up to _REMOTE_PROBE at once: catching up takes
+        few round trips, and reading past the end wastes at most half of the last batch. An entry
+        a commit notice holds is read from it."""
         out: list[LogEntry] = []
         v, width, read = start, 1, 0  # read: entries read in a row since one of its own (not read back)
-        while True:
+        noticed = self._notices.entry if self._notices is not None else lambda k: None
+        while end is None or v <= end:
             if v in self._own:
                 entries, width, read = [self._own.pop(v)], 1, 0
             elif width == 1:
-                entries, read = [self.read_entry(v)], read + 1
+                entries, read = [self.read_entry(v, noticed(v))], read + 1
             else:
+                last = v + width if end is None else min(v + width, end + 1)
                 with ThreadPoolExecutor(width) as ex:
-                    entries = list(ex.map(lambda k: self._own.get(k) or self.read_entry(k), range(v, v + width)))
+                    entries = list(ex.map(lambda k: self._own.get(k) or self.read_entry(k, noticed(k)), range(v, last)))
             for e in entries:
                 if e is None:
                     return out
@@ -230,6 +233,7 @@ class CommitLog:
                 v += 1
             if self._remote and read >= 2:
                 width = min(2 * width, _REMOTE_PROBE)
+        return out
 
     def _catch_up_after_retention(self) -> None:
         """A process far behind may find its next entry deleted by log retention: the pointer then
@@ -270,10 +274,11 @@ class CommitLog:
             if precondition is not None:
                 precondition(self.state)
             entry = LogEntry(self.state.version + 1, time.time(), actions, txn, writer)
-            if put_if_absent(self.fs, join(self.dir, entry_name(entry.version)), seal(entry.to_json()), self.fsync):
+            data = seal(entry.to_json())
+            if put_if_absent(self.fs, join(self.dir, entry_name(entry.version)), data, self.fsync):
                 self.state.apply(entry)
                 if self._notices is not None:
-                    self._notices.committed(entry.version, writer)
+                    self._notices.committed(entry.version, writer, data)
                 self._maybe_checkpoint(entry.version)
                 return entry.version
             for got in self.refresh():
@@ -309,8 +314,8 @@ class CommitLog:
         misses = 0
         while True:
             entry = LogEntry(v, time.time(), actions, uuid.uuid4().hex, writer)
-            t0 = time.monotonic()
-            if put_if_absent(self.fs, join(self.dir, entry_name(v)), seal(entry.to_json()), self.fsync):
+            t0, data = time.monotonic(), seal(entry.to_json())
+            if put_if_absent(self.fs, join(self.dir, entry_name(v)), data, self.fsync):
                 break
             misses += 1
             if self._remote:  # the losers of a number would all race for the next one: spread them
@@ -324,7 +329,7 @@ class CommitLog:
                 v += 1
         self._tip = v
         if self._notices is not None:
-            self._notices.committed(v, writer)
+            self._notices.committed(v, writer, data)
         if publish:
             put_atomic(self.fs, join(self.dir, TIP), json.dumps({"v": v, "by": self._id}).encode(), fsync=False)
         if v == self.state.version + 1:

@@ -92,15 +92,16 @@ def policy_range(table: pa.Table) -> tuple[int, int]:
     return int(mm["min"].as_py()), int(mm["max"].as_py())
 
 
-def read_shard(fs, root: str, rel: str) -> pa.Table:
-    """A committed shard as a table in ROLLOUT_SCHEMA. Raises SchemaError for a newer schema
-    version, CorruptShard for anything else that is wrong with the file."""
+def read_shard(fs, root: str, rel: str, data: bytes | None = None) -> pa.Table:
+    """A committed shard as a table in ROLLOUT_SCHEMA (parsed from `data` when given: its bytes,
+    from a local copy). Raises SchemaError for a newer schema version, CorruptShard for anything
+    else that is wrong with the file."""
     path = join(root, rel)
     try:
-        if is_local(fs):
-            table = pq.read_table(path)
+        if data is not None or not is_local(fs):
+            table = pq.read_table(pa.BufferReader(read_bytes(fs, path) if data is None else data))
         else:
-            table = pq.read_table(pa.BufferReader(read_bytes(fs, path)))
+            table = pq.read_table(path)
     except FileNotFoundError:
         raise
     except (pa.ArrowInvalid, pa.ArrowException, OSError, ValueError) as e:

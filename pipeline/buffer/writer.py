@@ -141,6 +141,8 @@ class ShardWriter:
         rel = new_shard_path("l1", self.writer_id)
         buf = self.buffer
         write_shard(buf.fs, buf.root, rel, data, fsync=buf.config.fsync)
+        if buf.shard_copies is not None:
+            buf.shard_copies.keep(rel, data)
         return AddShard(rel, "l1", table.num_rows, len(data), tuple(gsizes), policy_range(table), time.time())
 
     def _commit_loop(self) -> None:

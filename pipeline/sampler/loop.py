@@ -226,13 +226,12 @@ class Sampler:
         want = scheduled_version(self.cfg, self._position(draw))
         if want == self.version:
             return True
-        # The trainer publishes its in-phase versions in order: one named by latest.json or newer is
-        # there. A phase's version comes from its reshard task, after the trainer has gone on; it is
-        # never deleted.
+        # A phase's version comes from its reshard task, after the trainer has gone on; it is never
+        # deleted. The trainer publishes its in-phase versions in order (`committed`).
         if want in phase_end_steps(self.cfg.trainer):
             if not self.store.exists(want):
                 return False
-        elif self.store.published_after(want - 1) is None:
+        elif not self.store.committed(want):
             return False
         try:
             with self.store.lease_latest(self.sampler_id, want, exact=True) as lease:

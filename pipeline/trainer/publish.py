@@ -4,7 +4,8 @@ In-phase (`publish_policy`, every `trainer.sync_every` steps): the sharded weigh
 rank 0 and committed as `policy/v<step>/` through `PolicyStore.publish_model` (safetensors +
 config + tokenizer, manifest last). In the trainer that happens on rank 0's `BackgroundPublisher`
 thread, with the retention after it: the next step trains while the version uploads (on object
-storage a publication is a dozen requests, longer than a small model's step). A version that is
+storage a publication is a few requests, longer than a small model's step; the thread moves
+`latest.json` at most every REMOTE_POLL_S, and once it has been idle that long). A version that is
 still waiting when a newer one comes is replaced by it (samplers load the newest anyway), unless
 the sampler runs on a fixed lag (`sampler.fixed_lag`: it loads a given version), when the trainer waits
 for the thread to take the one queued instead; a failed
@@ -28,6 +29,7 @@ import time
 
 from ..config import TrainerConfig
 from ..policy import PolicyStore
+from ..policy_cache import REMOTE_POLL_S
 from ..rundir import RunDir
 from .distributed import World
 from .phases import phase_end_steps
@@ -110,14 +112,14 @@ class BackgroundPublisher:
     def _loop(self) -> None:
         while True:
             with self._cond:
-                while self._queued is None and not self._closed:
-                    self._cond.wait()
-                if self._queued is None:
-                    return
-                (version, model, tokenizer, meta, weights), self._queued = self._queued, None
+                if self._queued is None and not self._closed:
+                    self._cond.wait(REMOTE_POLL_S)
+                job, self._queued, closed = self._queued, None, self._closed
                 self._cond.notify_all()
             try:
-                if self.store.publish_model(version, model, tokenizer, meta, weights=weights):
+                if job is None:  # idle for REMOTE_POLL_S, or closed: the hint it deferred goes out
+                    self.store.flush_hint()
+                elif self.store.publish_model(job[0], *job[1:4], weights=job[4]):
                     self.published += 1
                     count, at = self._retained
                     if (self.published - count >= self.tc.keep_policy_versions
@@ -127,6 +129,8 @@ class BackgroundPublisher:
                 with self._cond:
                     self._error = e
                     self._cond.notify_all()
+            if job is None and closed:
+                return
 
 
 def prune_policies(store: PolicyStore, tc: TrainerConfig) -> list[int]:

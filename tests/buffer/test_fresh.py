@@ -178,3 +178,26 @@ def test_writers_racing_under_an_admit_check_commit_exactly_what_it_allows(buffe
     assert ReplayBuffer(buffer_url).committed_groups() == cap
     assert sum(len(w.dropped) for w in writers) == 2 * per_writer - cap
     assert ReplayBuffer(buffer_url).verify()["unreferenced_files"] == 0
+
+
+@pytest.mark.integration
+def test_on_object_storage_a_reader_beside_the_writer_takes_the_shards_from_its_local_copies(s3_url, small_config,
+                                                                                              monkeypatch):
+    """The sampler's writer keeps a local copy of each shard it puts; the trainer on the same node
+    reads committed shards from there, and from the store when the copy is not the shard's size."""
+    from pipeline.buffer import shards as shards_mod
+
+    downloads = []
+    real = shards_mod.read_bytes
+    monkeypatch.setattr(shards_mod, "read_bytes", lambda fs, path: downloads.append(path) or real(fs, path))
+    shards = [make_groups(f"s{i}", 3, seed=i) for i in range(3)]
+    _write(ReplayBuffer(s3_url, small_config), "w0", shards)
+    reader = ReplayBuffer(s3_url, small_config)
+    first, cursor = reader.read_fresh(None, 3)
+    assert first.column("sample_id").to_pylist() == shards[0].column("sample_id").to_pylist() and downloads == []
+    info = reader.state.shards[reader.state.l1_by_seq[reader.state.l1_seqs[1]]]
+    with open(reader.shard_copies._path(info.path), "ab") as f:
+        f.write(b"x")  # not the shard any more
+    rest, _ = reader.read_fresh(cursor, 6)
+    assert rest.column("sample_id").to_pylist() == pa.concat_tables(shards[1:]).column("sample_id").to_pylist()
+    assert [p.rsplit("/", 1)[-1] for p in downloads] == [info.path.rsplit("/", 1)[-1]]

@@ -98,26 +98,28 @@ def clock(monkeypatch) -> list[float]:
     return now
 
 
-def _probes(calls: Counter, lg: CommitLog) -> int:
-    """Reads of the entry after `lg`'s state: what a poll that finds nothing asks of the store."""
-    return calls[("read_bytes", entry_name(lg.state.version + 1))]
+def _entry_reads(calls: Counter) -> int:
+    """Reads of log entries from the store (found or not)."""
+    return sum(n for (fn, name), n in calls.items() if fn == "read_bytes" and name[:20].isdigit())
 
 
-def test_a_polling_reader_skips_the_store_while_the_writer_beside_it_commits_nothing(calls, clock, tmp_path):
+def test_a_polling_reader_beside_the_writer_reads_its_entries_from_the_notices(calls, clock, tmp_path):
     sampler, trainer = _logs("sampler-0", "")
     _beside(sampler, str(tmp_path)), _beside(trainer, str(tmp_path))
+    base = _entry_reads(calls)  # opening
     _add(sampler, "a")
     assert len(trainer.refresh(poll=True)) == 1
-    before = _probes(calls, trainer)
+    assert _entry_reads(calls) == base + 1  # the entry from the notice; the store asked past it (the first poll)
     for _ in range(20):
         assert trainer.refresh(poll=True) == []
-    assert _probes(calls, trainer) == before  # the sampler's notice names nothing past what it read
-    assert len(trainer.refresh()) == 0 and _probes(calls, trainer) == before + 1  # not polling: it asks
-    _add(sampler, "b")
-    assert len(trainer.refresh(poll=True)) == 1  # noticed at once
-    before = _probes(calls, trainer)
-    clock[0] += REMOTE_POLL_S  # and at least every REMOTE_POLL_S, for writers not met yet
-    assert trainer.refresh(poll=True) == [] and _probes(calls, trainer) == before + 1
+    assert _entry_reads(calls) == base + 1  # the notice names nothing past what it read: the store is not asked
+    _add(sampler, "b"), _add(sampler, "c")
+    got = trainer.refresh(poll=True)
+    assert [e.actions[0].path for e in got] == ["l1/b.parquet", "l1/c.parquet"] and _entry_reads(calls) == base + 1
+    assert trainer.refresh() == [] and _entry_reads(calls) == base + 2  # not polling: it asks the store, to the end
+    clock[0] += REMOTE_POLL_S  # and a poll asks at least every REMOTE_POLL_S, for writers not met yet
+    assert trainer.refresh(poll=True) == [] and _entry_reads(calls) == base + 3
+    assert trainer.state.version == 3 and set(trainer.state.shards) == {f"l1/{n}.parquet" for n in "abc"}
 
 
 def test_a_writer_on_another_node_makes_every_poll_ask_the_store(calls, clock, tmp_path):
@@ -128,9 +130,21 @@ def test_a_writer_on_another_node_makes_every_poll_ask_the_store(calls, clock, t
     _add(sampler, "a")
     clock[0] += REMOTE_POLL_S
     assert len(trainer.refresh(poll=True)) == 1  # met at the periodic probe
-    before = _probes(calls, trainer)
+    before = _entry_reads(calls)
     for _ in range(5):
         trainer.refresh(poll=True)
-    assert _probes(calls, trainer) == before + 5
+    assert _entry_reads(calls) == before + 5
     _add(sampler, "b")
     assert len(trainer.refresh(poll=True)) == 1
+
+
+def test_a_notice_of_a_process_that_is_gone_does_not_count(calls, clock, tmp_path, monkeypatch):
+    sampler, trainer = _logs("sampler-0", "")
+    _beside(sampler, str(tmp_path)), _beside(trainer, str(tmp_path))
+    _add(sampler, "a")
+    assert len(trainer.refresh(poll=True)) == 1
+    monkeypatch.setattr(notices_mod, "_alive", lambda pid: False)  # its writer was killed, or wrote an earlier log
+    before = _entry_reads(calls)
+    for _ in range(3):
+        assert trainer.refresh(poll=True) == []
+    assert _entry_reads(calls) == before + 3

@@ -1,7 +1,7 @@
 """The trainer's publication thread: versions in order, a waiting one replaced by a newer one
 (or, for a sampler on a fixed lag, the trainer held until it is taken),
 retention after keep_policy_versions publications (at most every RETAIN_EVERY_S) and at the end,
-failures surfaced."""
+the deferred `latest.json` written once idle and at the end, failures surfaced."""
 
 import threading
 
@@ -19,6 +19,7 @@ class SlowStore:
         self.published, self.fail_at = [], fail_at
         self.release = threading.Event()
         self.started = threading.Event()
+        self.flushes: list[int] = []  # len(published) at each flush_hint
 
     def publish_model(self, version, model, tokenizer, meta, weights):
         self.started.set()
@@ -27,6 +28,9 @@ class SlowStore:
             raise OSError("storage went away")
         self.published.append((version, weights["w"]))
         return True
+
+    def flush_hint(self):
+        self.flushes.append(len(self.published))
 
 
 @pytest.fixture
@@ -88,3 +92,19 @@ def test_a_failed_publication_fails_the_trainer_when_it_closes_the_publisher(ret
     with pytest.raises(RuntimeError, match="storage went away"):
         pub.close()
     assert store.published == [] and retentions == []
+
+
+def test_the_deferred_hint_goes_out_once_the_thread_is_idle_and_at_the_end(retentions, monkeypatch):
+    monkeypatch.setattr(publish_mod, "REMOTE_POLL_S", 0.05)
+    store = SlowStore()
+    store.release.set()
+    pub = BackgroundPublisher(store, TrainerConfig(keep_policy_versions=3))
+    pub.submit(1, None, None, {}, {"w": 1})
+    deadline = threading.Event()
+    for _ in range(600):
+        if store.flushes and store.flushes[-1] == 1:
+            break
+        deadline.wait(0.01)
+    assert store.flushes and store.flushes[-1] == 1  # idle after v1: its hint is not left waiting
+    pub.close()
+    assert store.flushes[-1] == 1 and len(store.published) == 1
