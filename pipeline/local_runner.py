@@ -69,8 +69,8 @@ class Replicas:
         return self._outcome(list(codes.values()))
 
     def wait(self, timeout: float | None = None) -> int:
-        deadline = None if timeout is None else time.time() + timeout
-        return self._outcome([p.wait(timeout=None if deadline is None else max(0.0, deadline - time.time()))
+        deadline = None if timeout is None else time.monotonic() + timeout
+        return self._outcome([p.wait(timeout=None if deadline is None else max(0.0, deadline - time.monotonic()))
                               for p in self.procs.values()])
 
     def _outcome(self, codes: list[int]) -> int:
@@ -143,9 +143,9 @@ def run_local(cfg: RunConfig, run_url: str | None = None, progress: bool = True)
         if prepared:
             run.request_stop(f"interrupted by {e.signum.name}" if isinstance(e, StopSignal) else
                              "interrupted" if isinstance(e, KeyboardInterrupt) else f"runner failed: {e}", by="runner")
-        deadline = time.time() + (15 if prepared else 0)
+        deadline = time.monotonic() + (15 if prepared else 0)
         for p in _processes(procs):
-            _terminate(p, grace_s=max(0.0, deadline - time.time()))
+            _terminate(p, grace_s=max(0.0, deadline - time.monotonic()))
         raise
     summary = orchestration.finalize(run)
     summary["total_s"] = round(time.time() - t_start, 2)

@@ -48,14 +48,14 @@ def publish(run: RunDir) -> str:
 def wait_for(run: RunDir, timeout_s: float, poll_s: float = 1.0, not_before: float = 0.0) -> str:
     """Nodes 1..M-1: the endpoint node 0 published at or after `not_before` (when the current try
     of node 0 started; an older one is a dead node's). Raises TimeoutError after `timeout_s`."""
-    deadline = time.time() + timeout_s
+    deadline = time.monotonic() + timeout_s
     while True:
         marker = run.marker(RunDir.TRAINER_RENDEZVOUS_MARKER)
         if marker and marker.get("endpoint") and float(marker.get("time", 0)) >= not_before:
             return str(marker["endpoint"])
         if run.stop_requested():
             raise RuntimeError(f"{run.url}: the run was stopped before trainer node 0 published its endpoint")
-        if time.time() > deadline:
+        if time.monotonic() > deadline:
             raise TimeoutError(f"{run.url}: trainer node 0 published no rendezvous endpoint in {timeout_s:.0f} s "
                                "(is its task running?)")
         time.sleep(poll_s)

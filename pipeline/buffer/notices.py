@@ -33,7 +33,12 @@ REMOTE_POLL_S = 1.0
 FRESH_S = 30.0
 """Notices and writers met in the log older than this are not counted."""
 KEPT_ENTRIES = 8
-"""The newest entries a process's notice holds."""
+"""The newest entries a process's notice holds (those of at most KEPT_ENTRY_BYTES: a compaction's
+entry, which names every shard it replaces, is read from the store)."""
+KEPT_ENTRY_BYTES = 16384
+STALE_S = 86400.0
+"""Notices and shard copies of any log or buffer older than this are deleted by the next process
+that starts writing them on this node."""
 
 
 class CommitNotices:
@@ -54,8 +59,11 @@ class CommitNotices:
     def committed(self, version: int, writer: str, data: bytes) -> None:
         """After a commit of this process: its notice names `version`, written as `data` (an OSError
         only costs requests)."""
+        if not self._writers:
+            _prune(os.path.dirname(self.dir), STALE_S)
         self._writers.add(writer)
-        self._mine[str(version)] = data.decode()
+        if len(data) <= KEPT_ENTRY_BYTES:
+            self._mine[str(version)] = data.decode()
         for old in sorted(self._mine, key=int)[:-KEPT_ENTRIES]:
             del self._mine[old]
         tmp = f"{self.path}.{os.getpid()}.tmp"
@@ -126,7 +134,8 @@ def _alive(pid: int) -> bool:
 
 
 SHARD_COPY_S = 300.0
-"""Local copies of shards older than this are deleted (by the writers, as they add new ones)."""
+"""Local copies of shards older than this are deleted (by the writers of any buffer on this node,
+as they add new ones)."""
 
 
 class ShardCopies:
@@ -157,10 +166,7 @@ class ShardCopies:
             os.replace(f"{path}.{os.getpid()}.tmp", path)
             self._kept += 1
             if self._kept % 50 == 1:
-                for name in os.listdir(self.dir):
-                    old = os.path.join(self.dir, name)
-                    if time.time() - os.stat(old).st_mtime > SHARD_COPY_S:
-                        os.unlink(old)
+                _prune(os.path.dirname(self.dir), SHARD_COPY_S)
         except OSError:
             pass
 
@@ -172,3 +178,23 @@ class ShardCopies:
         except OSError:
             return None
         return data if len(data) == size else None
+
+
+def _prune(root: str, older_than_s: float) -> None:
+    """Delete the files in the folders of `root` not modified for `older_than_s`, and the folders
+    left empty (another process's pruning at the same time only makes some fail)."""
+    now = time.time()
+    try:
+        folders = os.listdir(root)
+    except OSError:
+        return
+    for folder in folders:
+        path = os.path.join(root, folder)
+        try:
+            for name in os.listdir(path):
+                if now - os.stat(os.path.join(path, name)).st_mtime > older_than_s:
+                    os.unlink(os.path.join(path, name))
+            if not os.listdir(path):
+                os.rmdir(path)
+        except OSError:
+            continue

@@ -185,7 +185,7 @@ class Sampler:
         self.delay_s = injected_delay(sampler_id)
         self.limiter = self.buffer.rate_limiter()
         self.waited = self.reload_s = 0.0  # since the last logged batch
-        self._stop_checked = 0.0
+        self._stop_checked = float("-inf")
         self._stale_at: int | None = None  # the policy version at which the staleness bound held it
         self._counted, self._counted_at = 0, -RECOUNT_S  # see _groups_ahead
         log.info("sampler %s: policy v%d, backend %s, %d prompts", sampler_id, self.version, sc.backend, len(prompts))
@@ -269,10 +269,16 @@ class Sampler:
         if (self.claims.alone and not bounds_consumer_progress(self.cfg.buffer)
                 and time.monotonic() - self._counted_at < RECOUNT_S):
             return self._counted + written
-        pending = self.writer.pending_groups()  # read first: a commit meanwhile is counted twice, not missed
-        position = pending + self.buffer.committed_groups()
-        if self.writer.pending_groups() == pending:  # else a commit came in between: recount next time
-            self._counted, self._counted_at = position - written, time.monotonic()
+        while True:
+            pending = self.writer.pending_groups()  # read first: a commit meanwhile is counted twice, not missed
+            position = pending + self.buffer.committed_groups()
+            if self.writer.pending_groups() == pending:
+                break
+            # A commit came in between (only commits change it while this thread reads: it alone
+            # hands groups over). Counted twice, the position would be a batch ahead of the truth,
+            # and alone a sampler past the bound waits for a newer version; on a fixed lag that
+            # version is the one it already runs, and the run would stall.
+        self._counted, self._counted_at = position - written, time.monotonic()
         return position
 
     def throttled(self, draw: int | None = None) -> bool:
@@ -302,7 +308,7 @@ class Sampler:
         """The stop or trainer-done marker is there: looked for at most every STOP_CHECK_S (two
         requests each time on object storage, and the loop asks between every two polls). A sampler
         that goes on a little after the trainer's end only makes a batch nobody trains on."""
-        now = time.time()
+        now = time.monotonic()
         if now - self._stop_checked < STOP_CHECK_S:
             return False
         self._stop_checked = now

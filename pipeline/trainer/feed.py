@@ -44,14 +44,14 @@ class _Wait:
     def __init__(self, run: RunDir, poll_s: float, timeout_s: float, cancel: threading.Event | None = None,
                  steady: bool = False):
         self.run, self.poll_s, self.timeout_s, self.cancel, self.steady = run, poll_s, timeout_s, cancel, steady
-        self.t0 = self.stop_checked = time.time()
+        self.t0 = self.stop_checked = time.monotonic()  # a step of the wall clock ends no wait
 
     def waited(self) -> float:
-        return time.time() - self.t0
+        return time.monotonic() - self.t0
 
     def sleep(self, timeout_message) -> None:
         """Raise TrainerStopped or TimeoutError (`timeout_message()`), else sleep before the next poll."""
-        now = time.time()
+        now = time.monotonic()
         waited = now - self.t0
         if waited > self.timeout_s or now - self.stop_checked >= RunDir.STOP_CHECK_S:
             self.stop_checked = now
@@ -177,13 +177,13 @@ class FreshFeed:
             table, nxt, waited = wait_for_groups(self.buffer, self.run, cursor, self.groups, self.poll_s,
                                                  self.timeout_s, self.marks)
         else:
-            t0 = time.time()
+            t0 = time.monotonic()
             if not pending.done.is_set():
                 if self.marks is not None:
                     self.marks.flush()
                 pending.done.wait()  # interrupted (a signal), the read stays for close() to end
             self._ahead = None
-            waited = time.time() - t0
+            waited = time.monotonic() - t0
             if pending.error is not None:
                 raise pending.error
             table, nxt, _ = pending.result

@@ -162,3 +162,20 @@ def test_a_lone_replica_counts_the_groups_ahead_of_it_and_reads_the_log_every_fe
         s, now, _ = _sampler(monkeypatch, replicas, **cfg)  # others commit too, or a bound on the trainer reads the log
         s._groups_ahead(), s._groups_ahead()
         assert s.buffer.reads == 2
+
+
+def test_a_commit_while_the_groups_ahead_are_counted_is_not_counted_twice(monkeypatch):
+    """The writer commits a batch of 16 groups between the reads of its pending groups and of the
+    log: counted as both, the position would be a batch ahead of the truth, and a lone sampler on
+    a fixed lag, held by the staleness bound at the version it already runs, would wait forever."""
+    s, _, _ = _sampler(monkeypatch, max_fresh_backlog=64)  # reads the log at every count
+    s.writer.pending, s.buffer.committed = 16, 32
+    real = _Buffer.committed_groups
+
+    def committing(buf):
+        if s.writer.pending:  # the commit lands while the log is read
+            s.writer.pending, buf.committed = 0, buf.committed + 16
+        return real(buf)
+
+    monkeypatch.setattr(_Buffer, "committed_groups", committing)
+    assert s._groups_ahead() == 48 and s.buffer.reads == 2

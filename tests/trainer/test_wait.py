@@ -25,7 +25,7 @@ class Clock:
 @pytest.fixture
 def clock(monkeypatch) -> Clock:
     c = Clock()
-    monkeypatch.setattr(feed.time, "time", c.time)
+    monkeypatch.setattr(feed.time, "monotonic", c.time)  # waits go by the monotonic clock
     monkeypatch.setattr(feed.time, "sleep", c.sleep)
     return c
 
@@ -142,3 +142,17 @@ def test_a_trainer_about_to_wait_for_fresh_groups_first_records_what_it_consumed
     assert marking.marks == []
     wait_for_groups(Buffer(clock, at=clock.now + 1), Run(clock), None, 1, poll_s=0.02, timeout_s=600, marks=marks)
     assert marking.marks == [{"seq": 7, "group": 0}]
+
+
+def test_a_step_of_the_wall_clock_does_not_end_a_wait(clock, monkeypatch):
+    """The wall clock set forward an hour while the trainer waits (an NTP step): the wait goes on."""
+    wall = [1e9]
+
+    def stepping() -> float:
+        wall[0] += 3600.0
+        return wall[0]
+
+    monkeypatch.setattr(feed.time, "time", stepping)
+    run, buf = Run(clock), Buffer(clock, at=clock.now + 5)
+    _, cursor, waited = wait_for_groups(buf, run, None, 1, poll_s=0.02, timeout_s=600)
+    assert cursor == {"seq": 1, "group": 0} and 5 <= waited <= 5 + RunDir.STOP_CHECK_S
