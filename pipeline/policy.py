@@ -36,7 +36,7 @@ from typing import Iterable, Iterator
 from .model_cache import cache_dir
 from .policy_cache import REMOTE_POLL_S, SHARED, VERSION_RE, LocalCopies, version_dirname
 from .rundir import RunDir
-from .storage import delete, file_exists, is_local, list_names, put_atomic, read_bytes
+from .storage import delete, file_exists, is_local, list_names, put_atomic, put_if_absent, read_bytes
 
 log = logging.getLogger("rlhf.policy")
 LEASES = "leases"
@@ -133,10 +133,10 @@ class PolicyStore:
         e.g. gathered from FSDP2 shards) or else the model's own state dict, with its config,
         generation config and `tokenizer`. Idempotent like `publish_folder`: the first call of a
         store lists the version folders once; a later version above them all is new without a
-        request. On object stores the store also seeds this node's local copy; then `latest.json`
-        (for readers on other nodes, which read it at most every REMOTE_POLL_S while a local copy
-        is fresh, and otherwise at every poll) moves at most every REMOTE_POLL_S: a version
-        published sooner waits for the next publication or `flush_hint`."""
+        request. On object stores see `_publish_remote`; there `latest.json` (for readers on
+        other nodes, which read it at most every REMOTE_POLL_S while a local copy is fresh, and
+        otherwise at every poll) moves at most every REMOTE_POLL_S: a version published sooner
+        waits for the next publication or `flush_hint`."""
         if self._new_above is None:
             self._new_above = max(self._folders(), default=-1)
         if version <= self._new_above and self.exists(version):
@@ -144,46 +144,69 @@ class PolicyStore:
         from .weights import write_hf_folder
 
         with tempfile.TemporaryDirectory(prefix="policy-") as tmp:
-            folder, aside = os.path.join(tmp, "model"), os.path.join(tmp, "shared")
+            folder = os.path.join(tmp, "model")
             write_hf_folder(folder, config=model.config, tokenizer=tokenizer,
                             generation_config=getattr(model, "generation_config", None),
                             weights=model.state_dict() if weights is None else weights)
-            remote = not is_local(self.fs)
-            shared = self._share(folder, aside) if remote else {}
-            manifest = self._publish(version, folder, {**(meta or {}), SHARED: shared} if shared else meta,
-                                     hint=not remote)
-            if manifest is not None and remote:  # the samplers beside it first, then the hint for others
-                if self._seed(version, folder, meta, manifest, aside) and \
-                        time.monotonic() - self._hinted_at < REMOTE_POLL_S:
-                    self._hint_due = version
-                else:
-                    self._move_hint(version)
-            return manifest is not None
+            if is_local(self.fs):
+                return self._publish(version, folder, meta) is not None
+            seeded = self._publish_remote(version, folder, meta, tmp)
+        if seeded is None:
+            return False
+        if seeded and time.monotonic() - self._hinted_at < REMOTE_POLL_S:
+            self._hint_due = version  # the samplers beside it have their copy; others learn of it soon
+        else:
+            self._move_hint(version)
+        return True
 
-    def _share(self, folder: str, aside: str) -> dict:
-        """Move the files of `folder` that are neither weights nor its config to `aside`, each
-        stored once per content in `policy/files/` (uploaded the first time this store meets it);
-        their manifest entries ({name: {bytes, checksum, path}}). In-phase versions on object
-        stores list them under `shared`: a tokenizer is not uploaded again with every version."""
-        from .reshard.files import CHECKSUM, new_checksum
+    def _publish_remote(self, version: int, folder: str, meta: dict | None, tmp: str) -> bool | None:
+        """Publish the Hugging Face `folder` as `version` on an object store, serialized once:
+        `pipeline.reshard` publishes it into a staging folder beside this node's copies; its
+        weight files are uploaded (concurrently) and the others stored once per content
+        (`_share`); the manifest commits the version; the staging folder then becomes this node's
+        copy, so a sampler beside it loads the version without a request (a copy exists only of
+        a committed version). Returns whether a copy was placed, or None if the version was
+        already committed by another publisher."""
+        from .reshard import publish
         from .reshard.layout import is_weight_file
+        from .reshard.manifest import encode
 
-        os.makedirs(aside)
+        copies = self._copies()
+        try:
+            staging = copies.staging()
+        except OSError as e:  # no copy here: the samplers on this node download the version
+            log.warning("policy v%d: no local copy (%s)", version, e)
+            staging = None
+        out = os.path.join(staging or tmp, "out")
+        try:
+            written = publish(folder, out, "hf", policy_version=version, extra=meta, known_new=True)[0]
+            own = {n: e for n, e in written["files"].items() if is_weight_file(n)}
+            shared = self._share(out, {n: e for n, e in written["files"].items() if n not in own})
+            manifest = {**written, "files": own, **({SHARED: shared} if shared else {})}
+            dst = self._dir(version)
+            self.fs.put([os.path.join(out, n) for n in own], [f"{dst}/{n}" for n in own])
+            if not put_if_absent(self.fs, f"{dst}/manifest.json", encode(manifest)):
+                return None
+            return staging is not None and copies.place_seed(version, out, manifest)
+        finally:
+            if staging is not None:
+                shutil.rmtree(staging, ignore_errors=True)
+
+    def _share(self, folder: str, entries: dict) -> dict:
+        """Store each file of `entries` ({name: manifest entry}, the files of `folder` that are not
+        weights: config, tokenizer, generation config) once per content in `policy/files/`
+        (uploaded the first time this store meets it); their `shared` manifest entries. In-phase
+        versions on object stores share them: only their weights are uploaded with each version."""
+        from .reshard.files import CHECKSUM
+
         out = {}
-        for name in sorted(os.listdir(folder)):
-            path = os.path.join(folder, name)
-            if name == "config.json" or is_weight_file(name) or not os.path.isfile(path):
-                continue
-            with open(path, "rb") as f:
-                data = f.read()
-            h = new_checksum()
-            h.update(data)
-            rel = f"{SHARED_DIR}/{h.hexdigest()}-{name}"
+        for name, entry in sorted(entries.items()):
+            rel = f"{SHARED_DIR}/{entry[CHECKSUM]}-{name}"
             if rel not in self._stored and not file_exists(self.fs, self.run.path("policy", rel)):
-                put_atomic(self.fs, self.run.path("policy", rel), data)
+                with open(os.path.join(folder, name), "rb") as f:
+                    put_atomic(self.fs, self.run.path("policy", rel), f.read())
             self._stored.add(rel)
-            os.rename(path, os.path.join(aside, name))
-            out[name] = {"bytes": len(data), CHECKSUM: h.hexdigest(), "path": rel}
+            out[name] = {**entry, "path": rel}
         return out
 
     def publish_checkpoint(self, version: int, checkpoint_url: str) -> PolicyPublication:
@@ -361,26 +384,6 @@ class PolicyStore:
             self.fs.get_file(self.run.path("policy", shared[name]["path"]) if name in shared else f"{src}/{name}", target)
 
         return copies.download(version, manifest, fetch)
-
-    def _seed(self, version: int, folder: str, meta: dict | None, manifest: dict, aside: str) -> bool:
-        """Place this node's copy of `version`, just committed from the local `folder` (and its
-        shared files in `aside`): the same publication into a local folder, kept if it lists the
-        same files as `manifest`. False when no copy was placed."""
-        from .reshard import ReshardError, publish
-
-        def build(out: str) -> dict:
-            written = publish(folder, out, "hf", policy_version=version, extra=meta, known_new=True)[0]
-            for name in os.listdir(aside):
-                shutil.copyfile(os.path.join(aside, name), os.path.join(out, name))
-            return written
-
-        try:
-            if self._copies().seed(version, manifest, build):
-                return True
-            log.debug("policy v%d: no local copy seeded", version)
-        except (OSError, ReshardError) as e:  # the samplers here download it instead
-            log.warning("policy v%d: seeding the local copy failed (%s)", version, e)
-        return False
 
     @contextlib.contextmanager
     def _pinned(self, folder: str) -> Iterator[bool]:

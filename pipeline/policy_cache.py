@@ -6,8 +6,9 @@ has `manifest.json` is complete and was committed in the run directory. Two ways
 
 - a download (`PolicyStore.local_dir`): the files that did not change since the newest copy
   below (a tokenizer, a config) are linked from it, the others fetched;
-- a seed: the publisher of a version on the same node writes the copy itself, right after its
-  commit, so a sampler beside it loads the version without a request. Seeds carry a `.seeded`
+- a seed: the publisher of a version on the same node writes the copy itself (the folder it
+  uploads from), placed right after its commit, so a sampler beside it loads the version without
+  a request. Seeds carry a `.seeded`
   file; while one is recent (`FRESH_SEED_S`), readers learn of new versions from this folder and
   look at the run's `latest.json` at most every `REMOTE_POLL_S` (a publisher elsewhere, or
   restarted elsewhere, is still seen).
@@ -112,24 +113,21 @@ class LocalCopies:
             self.prune(keep={0, version})
         return str(dst)
 
-    def seed(self, version: int, manifest: dict, build: Callable[[str], dict]) -> bool:
-        """Place the publisher's own copy of `version`, just committed with `manifest`:
-        `build(folder)` writes the version's files there and returns their manifest, which must
-        list the same files (else nothing is placed). False if nothing was placed."""
-        dst = self.folder(version)
+    def staging(self) -> str:
+        """A new folder beside the copies, on the same file system, for a publisher's seed."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        return tempfile.mkdtemp(prefix=".seed-", dir=self.root)
+
+    def place_seed(self, version: int, folder: str, manifest: dict) -> bool:
+        """Make `folder` (in a `staging()` folder) the copy of `version`, which its publisher has
+        just committed with `manifest`. False if there was one already or it could not be placed."""
         if self.get(version) is not None:
             return False
-        self.root.mkdir(parents=True, exist_ok=True)
-        tmp = tempfile.mkdtemp(prefix=".seed-", dir=self.root)
         try:
-            if build(os.path.join(tmp, "out")).get("files") != manifest.get("files"):
-                return False
-            Path(tmp, "out", SEEDED).touch()
-            self._place(os.path.join(tmp, "out"), manifest, dst)
+            Path(folder, SEEDED).touch()
+            self._place(folder, manifest, self.folder(version))
         except OSError:
             return False
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
         self.prune(keep={0, version})
         return True
 

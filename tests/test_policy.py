@@ -10,6 +10,7 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+import torch
 
 from pipeline.policy import PolicyStore, version_dirname
 from pipeline.policy_cache import LOCAL_COPIES, LocalCopies
@@ -288,7 +289,7 @@ def test_a_publisher_checks_for_an_existing_version_only_below_what_was_there_wh
     assert resumed._hint() == 4
 
 
-def test_in_phase_versions_on_object_stores_share_their_tokenizer_and_downloads_restore_it(model_dir):
+def test_in_phase_versions_on_object_stores_upload_only_their_weights_and_downloads_restore_the_rest(model_dir):
     import shutil
 
     url = f"memory://policy-test-{uuid.uuid4().hex}/run-1"
@@ -303,14 +304,17 @@ def test_in_phase_versions_on_object_stores_share_their_tokenizer_and_downloads_
     assert not any(p.endswith("latest.json") for p in puts)  # v1's hint is younger than REMOTE_POLL_S
     assert not [p for p in puts if "/files/" in p]  # the shared files went up once, with v1
     m = publisher.manifest(2)
-    assert {"tokenizer.json", "tokenizer_config.json"} <= set(m["shared"]) and "tokenizer.json" not in m["files"]
+    assert {"config.json", "tokenizer.json", "tokenizer_config.json"} <= set(m["shared"])
+    assert set(m["files"]) == {"model.safetensors"}
     own = {n.rstrip("/").rsplit("/", 1)[-1] for n in publisher.fs.ls(publisher._dir(2), detail=False)}
-    assert own == {"manifest.json", "config.json", "model.safetensors"}
+    assert own == {"manifest.json", "model.safetensors"}
     shutil.rmtree(publisher._copies().root)  # a sampler on another node: no seeded copy
     elsewhere = _store(url)
     path = elsewhere.local_dir(2)
     assert set(m["shared"]) | set(m["files"]) <= set(os.listdir(path))
-    from pipeline.models import load_tokenizer
+    from pipeline.models import load_model, load_tokenizer
 
     assert load_tokenizer(path)("digits 1 2 :")["input_ids"] == load_tokenizer(model_dir)("digits 1 2 :")["input_ids"]
+    restored, original = load_model(path, "float32").state_dict(), load_model(model_dir, "float32").state_dict()
+    assert restored.keys() == original.keys() and all(torch.equal(restored[k], original[k]) for k in original)
     assert publisher.verify(2).files == len(m["files"])
