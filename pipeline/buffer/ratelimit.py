@@ -56,10 +56,16 @@ class RateLimiter:
                         f"(slack {cfg.rate_error_groups} groups)")
         if cfg.max_fresh_backlog is not None and inserted - consumed + groups > cfg.max_fresh_backlog:
             return f"max_fresh_backlog={cfg.max_fresh_backlog}: {inserted - consumed} groups not yet consumed"
-        l1_rows = sum(st.shards[st.l1_by_seq[s]].rows for s in st.l1_seqs)
+        l1_rows = _l1_rows(st)
         if l1_rows >= cfg.l1_max_rows:
             return f"l1_max_rows={cfg.l1_max_rows}: L1 holds {l1_rows} rows; waiting for consumption and compaction"
         return None
+
+    def l1_full(self) -> bool:
+        """Whether the `l1_max_rows` bound holds inserts, as of this process's last refresh (no
+        request): until compaction archives consumed shards, which goes by the consumer's record."""
+        with self.buffer.current_state(False) as st:
+            return _l1_rows(st) >= self.buffer.config.l1_max_rows
 
     def wait_to_insert(self, groups: int, timeout_s: float | None = None, poll_s: float = 0.2,
                        should_stop: Callable[[], bool] | None = None) -> float:
@@ -73,3 +79,7 @@ class RateLimiter:
             if timeout_s is not None and time.monotonic() - t0 > timeout_s:
                 raise TimeoutError(f"buffer {self.buffer.url}: sampler waited {timeout_s:.0f}s on {reason}")
             time.sleep(poll_s)
+
+
+def _l1_rows(st) -> int:
+    return sum(st.shards[st.l1_by_seq[s]].rows for s in st.l1_seqs)

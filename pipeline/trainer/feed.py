@@ -70,10 +70,12 @@ class ConsumedMarks:
     """The trainer's L1 position recorded in the buffer log (`ReplayBuffer.mark_consumed`).
 
     A rate-limiter bound that reads it (`bounds_consumer_progress`) gets it after every step.
-    Otherwise it is recorded at most every MARK_EVERY_S, before the trainer waits for fresh
-    groups, at every checkpoint and at the end of the loop: each mark is a commit, on object
-    storage a write for the trainer and a read for every other process of the run. Compaction and
-    the `l1_max_rows` bound then see the trainer's progress up to that much later; a resumed
+    Otherwise it is recorded at most every MARK_EVERY_S, at every checkpoint, at the end of the
+    loop, and while the trainer waits for fresh groups with L1 at its `l1_max_rows` bound (a
+    sampler held back there waits for compaction, which archives only what this record says was
+    consumed): each mark is a commit, on object storage a write for the trainer and a read for
+    every other process of the run, and one more round for a sampler whose commit it got in
+    before. Compaction then sees the trainer's progress up to MARK_EVERY_S later; a resumed
     trainer starts from its checkpoint's cursor either way."""
 
     def __init__(self, buffer: ReplayBuffer, bc):
@@ -96,13 +98,19 @@ class ConsumedMarks:
             self.buffer.mark_consumed(self._cursor)
             self.recorded()
 
+    def waiting(self) -> None:
+        """The trainer waits for fresh groups (called before it waits and at each of its polls):
+        record the position if a sampler may be held back by a bound that reads it."""
+        if self._cursor is not None and (self.every_s == 0.0 or self.buffer.rate_limiter().l1_full()):
+            self.flush()
+
 
 def wait_for_groups(buffer: ReplayBuffer, run: RunDir, cursor: dict | None, groups: int,
                     poll_s: float, timeout_s: float, marks: ConsumedMarks | None = None,
                     cancel: threading.Event | None = None, steady: bool = False) -> tuple[pa.Table, dict | None, float]:
     """Read exactly `groups` fresh groups (blocking). Returns (table, new cursor, seconds waited).
-    Before it waits, `marks` records what was consumed (a sampler the `l1_max_rows` bound holds
-    back waits for it). `steady`: poll every `poll_s` however long it waits (`_Wait`)."""
+    While it waits, `marks` records what was consumed if a sampler may be waiting for that
+    (`ConsumedMarks.waiting`). `steady`: poll every `poll_s` however long it waits (`_Wait`)."""
     parts: list[pa.Table] = []
     have = 0
     wait = _Wait(run, poll_s, timeout_s, cancel, steady)
@@ -113,7 +121,7 @@ def wait_for_groups(buffer: ReplayBuffer, run: RunDir, cursor: dict | None, grou
             have += len(set(table.column("group_id").to_pylist()))
             continue
         if marks is not None:
-            marks.flush()
+            marks.waiting()
         wait.sleep(lambda: f"no fresh rollouts for {timeout_s:.0f}s (have {have}/{groups} groups); is the sampler "
                            "running? raise trainer.wait_timeout_s for slow samplers")
     return pa.concat_tables(parts), cursor, wait.waited()
@@ -158,7 +166,7 @@ class FreshFeed:
     from `cursor` by the previous take, else one made now; with `ahead`, it then starts reading
     the next step's groups. A stop marker or a timeout met by a read ahead is raised by the take
     that wanted it, as it would be by a read made then. Only the caller (`marks`) records what
-    was consumed, before it waits. `steady`: the read ahead polls every `poll_s` however long it
+    was consumed, while it waits. `steady`: the read ahead polls every `poll_s` however long it
     waits, so that `ready` turns true within a poll of the groups' commit (the trainer acts on it
     in the middle of a step: `BorrowedThreads`); otherwise it backs off like any wait."""
 
@@ -178,10 +186,10 @@ class FreshFeed:
                                                  self.timeout_s, self.marks)
         else:
             t0 = time.monotonic()
-            if not pending.done.is_set():
+            while not pending.done.is_set():  # interrupted (a signal), the read stays for close() to end
                 if self.marks is not None:
-                    self.marks.flush()
-                pending.done.wait()  # interrupted (a signal), the read stays for close() to end
+                    self.marks.waiting()
+                pending.done.wait(self.poll_s)
             self._ahead = None
             waited = time.monotonic() - t0
             if pending.error is not None:

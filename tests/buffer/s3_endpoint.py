@@ -60,6 +60,10 @@ def new_prefix(bucket: str) -> str:
 def _serve() -> None:
     """moto's S3 server on a free port of 127.0.0.1; prints the port, then serves until killed.
 
+    moto's S3 application itself, not its dispatcher for every service, which finds each
+    request's service by its host name and, for that, scans moto's package folder every time (a
+    third of the server's CPU per request on this endpoint, which serves only S3).
+
     A thread per connection (werkzeug's server, as moto's own ThreadedMotoServer; it closes each
     connection after its response, so every request opens one, where S3 keeps them alive), but
     one request at a time: moto checks `If-None-Match: *` and then stores the object, so two
@@ -69,11 +73,10 @@ def _serve() -> None:
     without which a test of the commit protocol would see commits vanish that S3 would refuse."""
     import threading
 
-    from moto.moto_server.werkzeug_app import (DomainDispatcherApplication, MotoRequestHandler,
-                                               create_backend_app)
+    from moto.moto_server.werkzeug_app import MotoRequestHandler, create_backend_app
     from werkzeug.serving import make_server
 
-    moto_app, lock = DomainDispatcherApplication(create_backend_app), threading.Lock()
+    moto_app, lock = create_backend_app("s3"), threading.Lock()
 
     def app(environ, start_response):
         with lock:

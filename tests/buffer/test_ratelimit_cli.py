@@ -35,6 +35,22 @@ def test_fresh_backlog_bound_blocks_until_the_trainer_consumes(buffer_url):
     assert lim.blocked_by(2) is None
 
 
+def test_l1_row_bound_blocks_until_compaction_archives_what_the_trainer_recorded_as_consumed(buffer_url):
+    buf = ReplayBuffer(buffer_url, BufferConfig(l1_max_rows=16))
+    lim = buf.rate_limiter()
+    _write(buf, 1)
+    rows = buf.read_fresh(None, 2)[0].num_rows
+    assert 0 < rows < 16 and not lim.l1_full()
+    _write(buf, -(-16 // rows) - 1)
+    assert lim.l1_full() and "l1_max_rows=16" in lim.blocked_by(1)
+    buf.compact(everything=False)
+    assert lim.blocked_by(1, refresh=False) is not None  # nothing recorded as consumed: nothing archived
+    _, cursor = buf.read_fresh(None, 10_000)
+    buf.mark_consumed(cursor)
+    buf.compact(everything=False)
+    assert lim.blocked_by(1) is None and not lim.l1_full()
+
+
 def test_samples_per_insert_counts_fresh_and_replayed_groups(buffer_url):
     cfg = BufferConfig(samples_per_insert=2.0, rate_error_groups=2)
     buf = ReplayBuffer(buffer_url, cfg)

@@ -46,10 +46,10 @@ class Log:
 
 class Marks:
     def __init__(self):
-        self.flushes = 0
+        self.waits = 0
 
-    def flush(self) -> None:
-        self.flushes += 1
+    def waiting(self) -> None:
+        self.waits += 1
 
 
 def groups_of(table: pa.Table) -> list[str]:
@@ -85,7 +85,7 @@ def test_a_step_whose_groups_are_late_waits_for_them_and_says_how_long_after_rec
     threading.Timer(0.2, log.commit, args=(2,)).start()
     table, cursor, waited = feed.take(cursor, ahead=False)
     assert groups_of(table) == ["g2", "g3"] and 0.1 < waited < 5
-    assert marks.flushes >= 1  # a sampler held back by the l1_max_rows bound sees the mark meanwhile
+    assert marks.waits >= 1  # told while it waits (`ConsumedMarks.waiting` records the mark if a bound needs it)
 
 
 def test_a_stop_met_by_the_read_ahead_is_raised_by_the_step_that_takes_it(monkeypatch):

@@ -98,8 +98,12 @@ def test_gate_waits_are_paced_the_same_way(clock):
 
 
 class MarkingBuffer:
-    def __init__(self):
+    def __init__(self, l1_full=lambda: False):
         self.marks: list[dict] = []
+        self.l1_full = l1_full
+
+    def rate_limiter(self):
+        return self
 
     def mark_consumed(self, cursor: dict) -> None:
         self.marks.append(cursor)
@@ -131,17 +135,24 @@ def test_consumption_is_recorded_every_few_seconds_and_at_a_flush_unless_a_bound
     assert [m["seq"] for m in bounded.marks] == [1, 2, 3]
 
 
-def test_a_trainer_about_to_wait_for_fresh_groups_first_records_what_it_consumed(clock, monkeypatch):
-    """Else a sampler held back by the `l1_max_rows` bound would wait for a mark that never comes."""
+def test_a_waiting_trainer_records_what_it_consumed_once_l1_is_at_its_bound(clock):
+    """A sampler held back by the `l1_max_rows` bound waits for compaction, which archives only what
+    the trainer recorded as consumed: a trainer that waited without recording it would wait for
+    ever. Short of that bound a wait records nothing (each record is a commit, a request on object
+    stores, that the sampler's next commit then has to catch up with)."""
     from pipeline.config import BufferConfig
 
-    monkeypatch.setattr(feed.time, "monotonic", lambda: 0.0)  # well within MARK_EVERY_S of the last mark
-    marking = MarkingBuffer()
-    marks = feed.ConsumedMarks(marking, BufferConfig())
+    idle = MarkingBuffer()
+    marks = feed.ConsumedMarks(idle, BufferConfig())
     marks.consumed({"seq": 7, "group": 0})
-    assert marking.marks == []
-    wait_for_groups(Buffer(clock, at=clock.now + 1), Run(clock), None, 1, poll_s=0.02, timeout_s=600, marks=marks)
-    assert marking.marks == [{"seq": 7, "group": 0}]
+    wait_for_groups(Buffer(clock, at=clock.now + 30), Run(clock), None, 1, poll_s=0.02, timeout_s=600, marks=marks)
+    assert idle.marks == []
+    full_at = clock.now + 10  # L1 reaches the bound ten seconds into the wait
+    filling = MarkingBuffer(l1_full=lambda: clock.now >= full_at)
+    marks = feed.ConsumedMarks(filling, BufferConfig())
+    marks.consumed({"seq": 7, "group": 0})
+    wait_for_groups(Buffer(clock, at=clock.now + 30), Run(clock), None, 1, poll_s=0.02, timeout_s=600, marks=marks)
+    assert filling.marks == [{"seq": 7, "group": 0}]
 
 
 def test_a_step_of_the_wall_clock_does_not_end_a_wait(clock, monkeypatch):
