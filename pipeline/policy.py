@@ -237,31 +237,36 @@ class PolicyStore:
         """The version `latest.json` names if newer than `version` (else None): one read, for a
         loader's poll. A hint that lags (its publisher stopped between the manifest and the hint)
         shows the version with the next publication. On object stores a newer local copy (seeded
-        by a publisher on this node) answers first; while such a publisher is active,
-        `latest.json` is read at most every REMOTE_POLL_S."""
-        if not is_local(self.fs):
-            local, fresh = self._copies().newest()
-            if local is not None and local > version:
-                return local
-            if fresh and time.monotonic() - self._polled < REMOTE_POLL_S:
-                return None
-            self._polled = time.monotonic()
+        by a publisher on this node) answers first (`_here_or_poll`)."""
+        local, ask = self._here_or_poll(version)
+        if local is not None or not ask:
+            return local
         hint = self._hint()
         return hint if hint is not None and hint > version else None
 
     def committed(self, version: int) -> bool:
         """Whether `version` is committed, for a loader's poll (`sampler.fixed_lag`), knowing that
         in-phase versions are published in order: one request (its manifest). On object stores
-        this node's copies answer first (a copy of it or of a newer version), and while a publisher
-        on this node seeds them the store is asked at most every REMOTE_POLL_S."""
-        if not is_local(self.fs):
-            local, fresh = self._copies().newest()
-            if local is not None and local >= version:
-                return True
-            if fresh and time.monotonic() - self._polled < REMOTE_POLL_S:
-                return False
-            self._polled = time.monotonic()
+        this node's copies answer first (a copy of it or of a newer version; `_here_or_poll`)."""
+        local, ask = self._here_or_poll(version - 1)
+        if local is not None or not ask:
+            return local is not None
         return self.exists(version)
+
+    def _here_or_poll(self, newer_than: int) -> tuple[int | None, bool]:
+        """For a loader's poll: (this node's newest copy if newer than `newer_than`, else None;
+        whether to read the run directory now). On local disk: (None, True). On object stores the
+        run directory is read at most every REMOTE_POLL_S while a publisher on this node seeds
+        copies (a publisher elsewhere, or restarted elsewhere, is still seen), else at every poll."""
+        if is_local(self.fs):
+            return None, True
+        local, fresh = self._copies().newest()
+        if local is not None and local > newer_than:
+            return local, False
+        if fresh and time.monotonic() - self._polled < REMOTE_POLL_S:
+            return None, False
+        self._polled = time.monotonic()
+        return None, True
 
     def latest(self) -> int | None:
         hint = self._hint()

@@ -23,10 +23,9 @@ from typing import Iterator, Sequence
 
 import numpy as np
 import pyarrow as pa
-from fsspec.implementations.memory import MemoryFileSystem
 
 from ..config import BufferConfig
-from ..storage import is_local, to_url, url_to_fs
+from ..storage import to_url, url_to_fs
 from .actions import Action, MarkConsumed, Quarantine, RecordReplays
 from .log import CommitLog
 from .notices import ShardCopies
@@ -72,8 +71,7 @@ class ReplayBuffer:
         self._cache_lock = threading.Lock()
         self.evicted_unread_shards = 0  # L1 shards removed before this reader got to them
         # on object stores: the L1 shards of this node's writers, also on local disk (notices.py)
-        remote = not is_local(self.fs) and not isinstance(self.fs, MemoryFileSystem)
-        self.shard_copies = ShardCopies(self.url) if remote else None
+        self.shard_copies = ShardCopies(self.url) if self.log.remote else None
 
     # log access -------------------------------------------------------------------------------
     @property

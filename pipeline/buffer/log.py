@@ -76,8 +76,8 @@ class CommitLog:
         self._tip = 0  # highest version this process knows to exist (its own blind appends included)
         self._own: dict[int, LogEntry] = {}  # entries this process appended past its state: not read back
         # object stores: every request is a round trip, so contending writers share a tip hint
-        self._remote = not is_local(fs) and not isinstance(fs, MemoryFileSystem)
-        self._notices = CommitNotices(self.dir, uuid.uuid4().hex[:12]) if self._remote else None
+        self.remote = not is_local(fs) and not isinstance(fs, MemoryFileSystem)  # an object store
+        self._notices = CommitNotices(self.dir, uuid.uuid4().hex[:12]) if self.remote else None
         self._contended = 0  # appends left to start from the hint (and to update it): see `_append`
         self._id, self._tip_by = uuid.uuid4().hex[:12], ""  # who writes our tips; who wrote the last read
 
@@ -231,7 +231,7 @@ class CommitLog:
                     return out
                 out.append(e)
                 v += 1
-            if self._remote and read >= 2:
+            if self.remote and read >= 2:
                 width = min(2 * width, _REMOTE_PROBE)
         return out
 
@@ -308,7 +308,7 @@ class CommitLog:
         ahead after a few misses (see `_known_end`) instead of probing number by number. The
         state is read only to write a checkpoint, from the newest checkpoint on."""
         v = max(self.state.version, self._tip) + 1
-        publish = self._remote and self._contended > 0
+        publish = self.remote and self._contended > 0
         if publish:
             v = max(v, self._use_tip(self._contended - 1) + 1)
         misses = 0
@@ -318,9 +318,9 @@ class CommitLog:
             if put_if_absent(self.fs, join(self.dir, entry_name(v)), data, self.fsync):
                 break
             misses += 1
-            if self._remote:  # the losers of a number would all race for the next one: spread them
+            if self.remote:  # the losers of a number would all race for the next one: spread them
                 time.sleep(random.uniform(0, min(misses, _BACKOFF_MAX) * (time.monotonic() - t0)))
-            if self._remote and misses == 2 and not publish:
+            if self.remote and misses == 2 and not publish:
                 v = max(v, self._use_tip(0)) + 1
                 publish = self._tip_by != self._id
             elif misses % _BLIND_TRIES == 0:
@@ -345,7 +345,7 @@ class CommitLog:
         """A version known to exist, for a writer that keeps losing races: a remote log's tip hint
         or newest checkpoint (two small reads: losing races to many contending writers is not
         being far behind, and reading their entries would not help), else the refreshed state."""
-        if self._remote:
+        if self.remote:
             return max(self._read_tip(), self.last_checkpoint())
         self.refresh()
         return self.state.version

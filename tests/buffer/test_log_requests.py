@@ -1,7 +1,7 @@
 """What the commit log asks of remote storage: the requests an appender makes for the tip hint,
 and those a polling reader skips thanks to the commit notices of its node.
 
-memory:// stands in for an object store (`_remote` forced on); the log module's storage calls are
+memory:// stands in for an object store (`remote` forced on); the log module's storage calls are
 counted by path."""
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ def _logs(*writers: str) -> list[CommitLog]:
     fs, root = url_to_fs(f"memory://logs/{uuid.uuid4().hex}")
     logs = [CommitLog(fs, root, checkpoint_interval=0, writer=w) for w in writers]
     for lg in logs:
-        lg._remote = True  # what an object store gets
+        lg.remote = True  # what an object store gets
         lg.open()
     return logs
 
