@@ -98,18 +98,18 @@ class PolicyStore:
         path): a Hugging Face folder, or any layout it reads (a trainer checkpoint, tp:N), on local
         disk or any fsspec URL; `meta` adds keys to the manifest. Idempotent: returns False if the
         version was already committed (a retried task)."""
-        return not self.exists(version) and self._publish(version, source_url, meta) is not None
+        return not self.exists(version) and self._publish(version, source_url, meta)
 
-    def _publish(self, version: int, source_url: str, meta: dict | None, hint: bool = True) -> dict | None:
-        """Publish `version`, which the caller has just seen uncommitted; its manifest if this
-        call committed it. `hint` False: the caller moves `latest.json` (`_move_hint`)."""
+    def _publish(self, version: int, source_url: str, meta: dict | None) -> bool:
+        """Publish `version`, which the caller has just seen uncommitted, and move `latest.json`;
+        whether this call committed it."""
         from .reshard import publish
 
-        manifest, committed = publish(source_url, self.url(version), "hf", policy_version=version, extra=meta,
-                                      known_new=True)
-        if committed and hint:
+        committed = publish(source_url, self.url(version), "hf", policy_version=version, extra=meta,
+                            known_new=True)[1]
+        if committed:
             self._move_hint(version)
-        return manifest if committed else None
+        return committed
 
     def _move_hint(self, version: int) -> None:
         """Point `latest.json` at `version`, just committed, unless it names a newer one."""
@@ -149,7 +149,7 @@ class PolicyStore:
                             generation_config=getattr(model, "generation_config", None),
                             weights=model.state_dict() if weights is None else weights)
             if is_local(self.fs):
-                return self._publish(version, folder, meta) is not None
+                return self._publish(version, folder, meta)
             seeded = self._publish_remote(version, folder, meta, tmp)
         if seeded is None:
             return False
