@@ -4,9 +4,8 @@
 folder that `pipeline.reshard` writes into `policy/v<K>/` from any layout it reads (a trainer
 checkpoint, a Hugging Face folder, tp:N) and commits with its create-only manifest; a version exists
 only once that manifest exists, so a sampler never loads a partial folder. `policy/latest.json`
-points to the newest version; it is a hint updated after the commit (on object stores at most
-every REMOTE_POLL_S while a publisher seeds local copies), and the manifest stays the source of
-truth. The publications: v0 in `prepare` (`publish_folder`), the trainer's in-phase
+points to the newest version; it is a hint updated after the commit, and the manifest stays the
+source of truth. The publications: v0 in `prepare` (`publish_folder`), the trainer's in-phase
 versions (`publish_model`, in-memory weights) and each phase's checkpoint (`publish_checkpoint`,
 which also verifies every file against the manifest; the DAG's reshard task and the local runner
 call it).
@@ -17,7 +16,9 @@ records a lease in `policy/leases/<holder>.json` (kept until the holder's next l
 and no version is deleted while a lease on it is held. On object stores a reader gets a version through
 a local copy (`local_dir`; `pipeline.policy_cache`): downloaded once, or seeded by the trainer's
 publication on the same node, in which case a sampler beside it learns of the version, and loads
-it, without a request (the run directory stays the record: every version is committed there first).
+it, without a request. The trainer's in-phase versions on object stores are such copies first
+and go up to the run directory a few times a second, or each one while a reader on another node
+holds a lease (`pipeline.policy_upload`).
 """
 
 from __future__ import annotations
@@ -27,7 +28,6 @@ import hashlib
 import json
 import logging
 import os
-import shutil
 import tempfile
 import time
 from dataclasses import dataclass
@@ -36,15 +36,13 @@ from typing import Iterable, Iterator
 from .model_cache import cache_dir
 from .policy_cache import REMOTE_POLL_S, SHARED, VERSION_RE, LocalCopies, version_dirname
 from .rundir import RunDir
-from .storage import delete, file_exists, is_local, list_names, put_atomic, put_if_absent, read_bytes
+from .storage import delete, file_exists, is_local, list_names, put_atomic, read_bytes
 
 log = logging.getLogger("rlhf.policy")
 LEASES = "leases"
 LEASE_TTL_S = 3600.0
 """A lease older than this is ignored (its holder died while loading): it pins a version for at most this long."""
 LEASE_ATTEMPTS = 5
-SHARED_DIR = "files"
-"""The folder (under policy/) of the files in-phase versions share on object stores (manifest key SHARED)."""
 
 
 @dataclass(frozen=True)
@@ -71,9 +69,7 @@ class PolicyStore:
         self._polled = float("-inf")  # when latest.json was last read while a local publisher seeds
         self._new_above: int | None = None  # publisher: no version folder above this was there at its start
         self._hinted: int | None = None  # publisher: the version its last latest.json named
-        self._hint_due: int | None = None  # publisher on an object store: a version whose latest.json waits
-        self._hinted_at = float("-inf")
-        self._stored: set[str] = set()  # publisher: shared files known to be in policy/files/
+        self._uploads = None  # publisher on an object store: pipeline.policy_upload.Uploads
         self._leased: set[str] = set()  # holders whose lease this store wrote and did not remove
 
     def _dir(self, version: int) -> str:
@@ -119,24 +115,23 @@ class PolicyStore:
         if hint is None or version >= hint:
             put_atomic(self.fs, self.run.path("policy", "latest.json"), json.dumps({"version": version}).encode())
             self._hinted = version
-        self._hint_due, self._hinted_at = None, time.monotonic()
 
-    def flush_hint(self) -> None:
-        """Write the `latest.json` that `publish_model` deferred, if any (its publisher calls this
-        once it has published nothing for REMOTE_POLL_S, and at its end)."""
-        if self._hint_due is not None:
-            self._move_hint(self._hint_due)
+    def flush(self) -> None:
+        """Upload the version `publish_model(defer=True)` left on this node only, if any, and point
+        `latest.json` at it (its publisher calls this once it has published nothing for
+        REMOTE_POLL_S, and at its end)."""
+        if self._uploads is not None:
+            self._uploads.flush()
 
     def publish_model(self, version: int, model, tokenizer, meta: dict | None = None,
-                      weights: dict | None = None) -> bool:
+                      weights: dict | None = None, defer: bool = False) -> bool:
         """Publish in-memory weights (the trainer's in-phase path): `weights` ({hf name: tensor},
         e.g. gathered from FSDP2 shards) or else the model's own state dict, with its config,
         generation config and `tokenizer`. Idempotent like `publish_folder`: the first call of a
         store lists the version folders once; a later version above them all is new without a
-        request. On object stores see `_publish_remote`; there `latest.json` (for readers on
-        other nodes, which read it at most every REMOTE_POLL_S while a local copy is fresh, and
-        otherwise at every poll) moves at most every REMOTE_POLL_S: a version published sooner
-        waits for the next publication or `flush_hint`."""
+        request. On object stores see `pipeline.policy_upload`: the version is this node's copy
+        first and, with `defer`, goes up to the run directory only when a reader can need it
+        (the caller then calls `flush` when idle and at its end)."""
         if self._new_above is None:
             self._new_above = max(self._folders(), default=-1)
         if version <= self._new_above and self.exists(version):
@@ -150,64 +145,11 @@ class PolicyStore:
                             weights=model.state_dict() if weights is None else weights)
             if is_local(self.fs):
                 return self._publish(version, folder, meta)
-            seeded = self._publish_remote(version, folder, meta, tmp)
-        if seeded is None:
-            return False
-        if seeded and time.monotonic() - self._hinted_at < REMOTE_POLL_S:
-            self._hint_due = version  # the samplers beside it have their copy; others learn of it soon
-        else:
-            self._move_hint(version)
-        return True
+            if self._uploads is None:
+                from .policy_upload import Uploads
 
-    def _publish_remote(self, version: int, folder: str, meta: dict | None, tmp: str) -> bool | None:
-        """Publish the Hugging Face `folder` as `version` on an object store, serialized once:
-        `pipeline.reshard` publishes it into a staging folder beside this node's copies; its
-        weight files are uploaded (concurrently) and the others stored once per content
-        (`_share`); the manifest commits the version; the staging folder then becomes this node's
-        copy, so a sampler beside it loads the version without a request (a copy exists only of
-        a committed version). Returns whether a copy was placed, or None if the version was
-        already committed by another publisher."""
-        from .reshard import publish
-        from .reshard.layout import is_weight_file
-        from .reshard.manifest import encode
-
-        copies = self._copies()
-        try:
-            staging = copies.staging()
-        except OSError as e:  # no copy here: the samplers on this node download the version
-            log.warning("policy v%d: no local copy (%s)", version, e)
-            staging = None
-        out = os.path.join(staging or tmp, "out")
-        try:
-            written = publish(folder, out, "hf", policy_version=version, extra=meta, known_new=True)[0]
-            own = {n: e for n, e in written["files"].items() if is_weight_file(n)}
-            shared = self._share(out, {n: e for n, e in written["files"].items() if n not in own})
-            manifest = {**written, "files": own, **({SHARED: shared} if shared else {})}
-            dst = self._dir(version)
-            self.fs.put([os.path.join(out, n) for n in own], [f"{dst}/{n}" for n in own])
-            if not put_if_absent(self.fs, f"{dst}/manifest.json", encode(manifest)):
-                return None
-            return staging is not None and copies.place_seed(version, out, manifest)
-        finally:
-            if staging is not None:
-                shutil.rmtree(staging, ignore_errors=True)
-
-    def _share(self, folder: str, entries: dict) -> dict:
-        """Store each file of `entries` ({name: manifest entry}, the files of `folder` that are not
-        weights: config, tokenizer, generation config) once per content in `policy/files/`
-        (uploaded the first time this store meets it); their `shared` manifest entries. In-phase
-        versions on object stores share them: only their weights are uploaded with each version."""
-        from .reshard.files import CHECKSUM
-
-        out = {}
-        for name, entry in sorted(entries.items()):
-            rel = f"{SHARED_DIR}/{entry[CHECKSUM]}-{name}"
-            if rel not in self._stored and not file_exists(self.fs, self.run.path("policy", rel)):
-                with open(os.path.join(folder, name), "rb") as f:
-                    put_atomic(self.fs, self.run.path("policy", rel), f.read())
-            self._stored.add(rel)
-            out[name] = {**entry, "path": rel}
-        return out
+                self._uploads = Uploads(self)
+            return self._uploads.publish(version, folder, meta, tmp, defer)
 
     def publish_checkpoint(self, version: int, checkpoint_url: str) -> PolicyPublication:
         """Publish the trainer checkpoint at `checkpoint_url` as `version` and verify every file of

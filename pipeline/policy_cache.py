@@ -34,8 +34,9 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 VERSION_RE = re.compile(r"^v(\d{6,})$")
-LOCAL_COPIES = 2
-"""Local copies of a remote run's versions kept besides v0: the newest ones."""
+LOCAL_COPIES = 3
+"""Local copies of a remote run's versions kept besides v0: the newest ones (a fixed-lag sampler,
+`sampler.max_staleness` 2, restarted beside the trainer runs the third newest)."""
 SHARED = "shared"
 """Manifest key of the files a version shares with others (stored once in the run directory)."""
 SEEDED = ".seeded"

@@ -119,17 +119,18 @@ def test_local_copies_of_a_remote_run_stay_bounded_and_a_held_copy_is_kept(model
         store.publish_folder(v, model_dir)
         store.local_dir(v)
         assert len(os.listdir(cache)) <= LOCAL_COPIES + 1
-    assert sorted(os.listdir(cache)) == [version_dirname(v) for v in (0, 4, 5)]
+    assert sorted(os.listdir(cache)) == [version_dirname(v) for v in (0, *range(6 - LOCAL_COPIES, 6))]
     with store.lease_latest("sampler-0") as lease:
         assert lease.version == 5
-        for v in (6, 7):
+        for v in range(6, 6 + LOCAL_COPIES):
             store.publish_folder(v, model_dir)
             store.local_dir(v)
         assert os.path.isdir(lease.path) and load_state_dict(lease.path)  # held: not pruned under the loader
-    store.publish_folder(8, model_dir)
-    store.local_dir(8)
-    assert sorted(os.listdir(cache)) == [version_dirname(v) for v in (0, 7, 8)]
-    assert json.load(open(os.path.join(cache, version_dirname(8), "manifest.json")))["version"] == 8
+    last = 6 + LOCAL_COPIES
+    store.publish_folder(last, model_dir)
+    store.local_dir(last)
+    assert sorted(os.listdir(cache)) == [version_dirname(v) for v in (0, *range(last + 1 - LOCAL_COPIES, last + 1))]
+    assert json.load(open(os.path.join(cache, version_dirname(last), "manifest.json")))["version"] == last
 
 
 def test_the_next_lease_replaces_the_last_one_in_one_request(model_dir, tmp_path, monkeypatch):
@@ -237,23 +238,45 @@ def test_a_version_published_elsewhere_is_still_seen_while_a_local_seed_is_fresh
     assert sampler.leased() == {2}
 
 
-def test_on_object_stores_the_hint_moves_at_most_every_remote_poll_and_a_deferred_one_is_flushed(model_dir):
-    from pipeline.policy_cache import REMOTE_POLL_S
+def _publish_deferred(store: PolicyStore, model_dir: str, version: int) -> bool:
+    from pipeline.models import load_model, load_tokenizer
 
+    return store.publish_model(version, load_model(model_dir, "float32"), load_tokenizer(model_dir), {"step": version},
+                               defer=True)
+
+
+def test_deferred_versions_are_this_nodes_copies_until_due_and_those_kept_here_go_up_with_flush(model_dir):
     url = f"memory://policy-test-{uuid.uuid4().hex}/run-1"
     _store(url).publish_folder(0, model_dir)  # prepare's
     publisher = _store(url)
-    assert _publish_model(publisher, model_dir, 1) and publisher._hint() == 1
-    assert _publish_model(publisher, model_dir, 2) and publisher._hint() == 1  # deferred
+    assert _publish_deferred(publisher, model_dir, 1) and publisher.exists(1) and publisher._hint() == 1  # the first
+    for v in range(2, 3 + LOCAL_COPIES):
+        assert _publish_deferred(publisher, model_dir, v)
+    newest = 2 + LOCAL_COPIES
+    assert not any(publisher.exists(v) for v in range(2, newest + 1)) and publisher._hint() == 1  # within REMOTE_POLL_S
     beside, elsewhere = _store(url), _store(url)
-    assert beside.published_after(1) == 2 and beside.committed(2)  # its local copy tells it
+    assert beside.published_after(1) == newest and beside.committed(newest - 1)  # its local copies tell it
+    with beside.lease_latest("sampler-0", newest - 1, exact=True) as lease:
+        assert lease.version == newest - 1 and load_state_dict(lease.path)
     elsewhere._local = LocalCopies(Path(tempfile.mkdtemp()))  # another node: no copies
-    assert elsewhere.published_after(1) is None and elsewhere.committed(2)  # the manifest is there
-    assert not elsewhere.committed(3)
-    publisher.flush_hint()
-    assert publisher._hint() == 2 and elsewhere.published_after(1) == 2
-    publisher._hinted_at -= REMOTE_POLL_S  # as long after as that
-    assert _publish_model(publisher, model_dir, 3) and publisher._hint() == 3
+    assert elsewhere.published_after(1) is None and not elsewhere.committed(newest)
+    publisher.flush()  # idle: the versions waiting whose copies this node keeps go up, oldest first
+    assert [v for v in range(2, newest + 1) if publisher.exists(v)] == list(range(3, newest + 1))
+    assert publisher._hint() == newest and elsewhere.published_after(1) == newest and elsewhere.committed(newest)
+    with elsewhere.lease_latest("sampler-1", newest, exact=True) as lease:  # downloaded: the same weights
+        mine, theirs = load_state_dict(lease.path), load_state_dict(beside._copies().get(newest))
+        assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine)
+    assert elsewhere.leased() == {newest}
+    # a reader on another node holds a lease: each version goes up at once
+    publisher._uploads._elsewhere = (False, float("-inf"))  # its look at the leases is due
+    assert _publish_deferred(publisher, model_dir, newest + 1) and _publish_deferred(publisher, model_dir, newest + 2)
+    assert publisher.exists(newest + 1) and publisher.exists(newest + 2) and publisher._hint() == newest + 2
+    elsewhere.release("sampler-1")
+    publisher._uploads._elsewhere = (False, float("-inf"))
+    assert _publish_deferred(publisher, model_dir, newest + 3) and not publisher.exists(newest + 3)  # none left
+    assert _publish_model(publisher, model_dir, newest + 4) and publisher.exists(newest + 4)  # no defer: at once
+    publisher.flush()
+    assert publisher.exists(newest + 3) and publisher._hint() == newest + 4  # the hint never goes back
 
 
 def test_a_run_prepared_again_at_the_same_url_does_not_read_the_old_runs_copies(model_dir):
@@ -284,9 +307,7 @@ def test_a_publisher_checks_for_an_existing_version_only_below_what_was_there_wh
             mp.setattr(PolicyStore, name, lambda self, *a, _n=name, _r=real: calls.update([_n]) or _r(self, *a))
         assert _publish_model(resumed, model_dir, 3) and _publish_model(resumed, model_dir, 4)
     assert calls == Counter(_hint=1), calls  # new versions: not checked; the hint read once, then known
-    assert resumed.latest() == 4 and resumed._hint() == 3  # v4's hint waits (within REMOTE_POLL_S of v3's)
-    resumed.flush_hint()
-    assert resumed._hint() == 4
+    assert resumed.latest() == 4 and resumed._hint() == 4
 
 
 def test_in_phase_versions_on_object_stores_upload_only_their_weights_and_downloads_restore_the_rest(model_dir):
@@ -301,7 +322,6 @@ def test_in_phase_versions_on_object_stores_upload_only_their_weights_and_downlo
         real = publisher.fs.pipe_file
         mp.setattr(publisher.fs, "pipe_file", lambda path, *a, **kw: puts.append(path) or real(path, *a, **kw))
         assert _publish_model(publisher, model_dir, 2)
-    assert not any(p.endswith("latest.json") for p in puts)  # v1's hint is younger than REMOTE_POLL_S
     assert not [p for p in puts if "/files/" in p]  # the shared files went up once, with v1
     m = publisher.manifest(2)
     assert {"config.json", "tokenizer.json", "tokenizer_config.json"} <= set(m["shared"])

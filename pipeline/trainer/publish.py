@@ -4,8 +4,10 @@ In-phase (`publish_policy`, every `trainer.sync_every` steps): the sharded weigh
 rank 0 and committed as `policy/v<step>/` through `PolicyStore.publish_model` (safetensors +
 config + tokenizer, manifest last). In the trainer that happens on rank 0's `BackgroundPublisher`
 thread, with the retention after it: the next step trains while the version uploads (on object
-storage a publication is a few requests, longer than a small model's step; the thread moves
-`latest.json` at most every REMOTE_POLL_S, and once it has been idle that long). A version that is
+storage a publication is a few requests, longer than a small model's step: there the thread
+publishes with `defer`, so a version goes up to the run directory only when a reader can need it,
+a few times a second, and `flush`es the one waiting once it has been idle REMOTE_POLL_S and at
+its end; `pipeline.policy_upload`). A version that is
 still waiting when a newer one comes is replaced by it (samplers load the newest anyway), unless
 the sampler runs on a fixed lag (`sampler.fixed_lag`: it loads a given version), when the trainer waits
 for the thread to take the one queued instead; a failed
@@ -118,8 +120,8 @@ class BackgroundPublisher:
                 self._cond.notify_all()
             try:
                 if job is None:  # idle for REMOTE_POLL_S, or closed: the hint it deferred goes out
-                    self.store.flush_hint()
-                elif self.store.publish_model(job[0], *job[1:4], weights=job[4]):
+                    self.store.flush()
+                elif self.store.publish_model(job[0], *job[1:4], weights=job[4], defer=True):
                     self.published += 1
                     count, at = self._retained
                     if (self.published - count >= self.tc.keep_policy_versions

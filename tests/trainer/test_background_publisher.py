@@ -19,9 +19,10 @@ class SlowStore:
         self.published, self.fail_at = [], fail_at
         self.release = threading.Event()
         self.started = threading.Event()
-        self.flushes: list[int] = []  # len(published) at each flush_hint
+        self.flushes: list[int] = []  # len(published) at each flush
 
-    def publish_model(self, version, model, tokenizer, meta, weights):
+    def publish_model(self, version, model, tokenizer, meta, weights, defer=False):
+        assert defer  # the thread flushes what waits
         self.started.set()
         self.release.wait(timeout=30)
         if version == self.fail_at:
@@ -29,7 +30,7 @@ class SlowStore:
         self.published.append((version, weights["w"]))
         return True
 
-    def flush_hint(self):
+    def flush(self):
         self.flushes.append(len(self.published))
 
 
