@@ -12,7 +12,7 @@ from pipeline.config import TrainerConfig
 from pipeline.models import load_model, load_tokenizer
 from pipeline.trainer.batch import collate
 from pipeline.trainer.critic import ActorCritic
-from pipeline.trainer.loop import BorrowedThreads
+from pipeline.trainer.borrow import BorrowedThreads
 from pipeline.trainer.step import train_step
 
 GROUPS = 4  # groups per step
