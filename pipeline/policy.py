@@ -117,9 +117,9 @@ class PolicyStore:
             self._hinted = version
 
     def flush(self) -> None:
-        """Upload the version `publish_model(defer=True)` left on this node only, if any, and point
-        `latest.json` at it (its publisher calls this once it has published nothing for
-        REMOTE_POLL_S, and at its end)."""
+        """Upload the versions `publish_model(defer=True)` left on this node only whose copies it
+        still keeps, and point `latest.json` at the newest (its publisher calls this once it has
+        published nothing for REMOTE_POLL_S, and at its end)."""
         if self._uploads is not None:
             self._uploads.flush()
 

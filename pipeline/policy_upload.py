@@ -12,11 +12,12 @@ When it goes up: at once when it is the first publication in REMOTE_POLL_S, when
 another node holds a lease (`policy/leases/`, which only readers that load from the run directory
 write; looked at most every REMOTE_POLL_S), or when it cannot be seeded. Otherwise (a publisher
 that `defer`s: the trainer's background thread, which calls `flush` when it has been idle for
-REMOTE_POLL_S and at its end) it waits: a newer version replaces it, and `flush` uploads the one
-still waiting. So readers elsewhere (which learn of versions from `latest.json`) see the newest
-version within about REMOTE_POLL_S, and the store gets a few versions a second however fast the
-trainer steps, instead of one per step (the run directory stays the record: the phase-end
-versions, the checkpoints and the newest in-phase versions are there).
+REMOTE_POLL_S and at its end) it waits, and `flush` uploads the versions still waiting whose
+copies this node keeps (the newest LOCAL_COPIES: a fixed-lag sampler restarted on another node,
+which the trainer waits for, asks for one of those). So readers elsewhere (which learn of versions
+from `latest.json`) see the newest version within about REMOTE_POLL_S, and the store gets about a
+version a second however fast the trainer steps, instead of one per step (the run directory stays
+the record: the phase-end versions, the checkpoints and the newest in-phase versions are there).
 """
 
 from __future__ import annotations
@@ -73,9 +74,11 @@ class Uploads:
             if upload and not self._upload(version, out, manifest):
                 return False
             seeded = staging is not None and copies.place_seed(version, out, manifest)
-            if not upload and not seeded and not self._upload(version, out, manifest):
-                return False
-            if upload or not seeded:
+            if not (upload or seeded):  # not placed here after all: it goes up now
+                if not self._upload(version, out, manifest):
+                    return False
+                upload = True
+            if upload:
                 self.store._move_hint(version)
             else:
                 self.waiting = [v for v in self.waiting if copies.get(v) is not None] + [version]
@@ -89,6 +92,7 @@ class Uploads:
         at most: what a fixed-lag sampler restarted on another node can ask for), oldest first,
         and point `latest.json` at the newest."""
         waiting, self.waiting = self.waiting, []
+        newest = None
         for version in waiting:
             path = self.store._copies().get(version)
             if path is None:
@@ -98,7 +102,9 @@ class Uploads:
                     with open(os.path.join(path, "manifest.json")) as f:
                         manifest = json.load(f)
                     if self._upload(version, path, manifest):
-                        self.store._move_hint(version)
+                        newest = version
+        if newest is not None:
+            self.store._move_hint(newest)
 
     def _due_now(self) -> bool:
         now = time.monotonic()

@@ -6,8 +6,8 @@ config + tokenizer, manifest last). In the trainer that happens on rank 0's `Bac
 thread, with the retention after it: the next step trains while the version uploads (on object
 storage a publication is a few requests, longer than a small model's step: there the thread
 publishes with `defer`, so a version goes up to the run directory only when a reader can need it,
-a few times a second, and `flush`es the one waiting once it has been idle REMOTE_POLL_S and at
-its end; `pipeline.policy_upload`). A version that is
+about once a second, and `flush`es those waiting once it has been idle REMOTE_POLL_S and at its
+end; `pipeline.policy_upload`). A version that is
 still waiting when a newer one comes is replaced by it (samplers load the newest anyway), unless
 the sampler runs on a fixed lag (`sampler.fixed_lag`: it loads a given version), when the trainer waits
 for the thread to take the one queued instead; a failed
@@ -119,7 +119,7 @@ class BackgroundPublisher:
                 job, self._queued, closed = self._queued, None, self._closed
                 self._cond.notify_all()
             try:
-                if job is None:  # idle for REMOTE_POLL_S, or closed: the hint it deferred goes out
+                if job is None:  # idle for REMOTE_POLL_S, or closed: the versions it deferred go up
                     self.store.flush()
                 elif self.store.publish_model(job[0], *job[1:4], weights=job[4], defer=True):
                     self.published += 1
