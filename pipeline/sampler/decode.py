@@ -5,8 +5,10 @@ batch pays for `max_new_tokens` steps on every row however early most rows stop 
 generation-heavy config, 42% of the slots were finished rows). Here:
 
 - a prompt's prefill runs once and its KV cache is repeated for its `n` samples;
-- rows that have stopped leave the batch (their cache rows are dropped), so each step costs what
-  the still-running rows need;
+- rows that have stopped leave the batch (their cache rows are dropped), so each step costs about
+  what the still-running rows need. They leave together, once an eighth of the batch has stopped
+  (dropping rows copies the whole cache): on the generation-heavy config's batches, 10% less time
+  per batch than dropping each row the step it stops;
 - only the last position's logits are computed;
 - full-attention cache layers write each step's keys and values into buffers sized for the whole
   answer, instead of concatenating (a copy of the whole cache per step and layer);
@@ -139,22 +141,26 @@ def decode(model, ids: torch.Tensor, mask: torch.Tensor, *, n: int, max_new_toke
     pos = pos[:, -1:]
     rows = torch.arange(rows_total, device=ids.device)  # the output row of each batch row
     eos = torch.tensor(sorted(set(eos_ids)), dtype=torch.long, device=ids.device)
+    live = torch.ones(rows_total, dtype=torch.bool, device=ids.device)  # batch rows still answering
     for step in range(max_new_tokens):
         tok, lp = _pick(logits, temperature, top_p, greedy, generator)
-        done = torch.isin(tok, eos)
-        for r, t, l in zip(rows.tolist(), tok.tolist(), lp.tolist()):
-            tokens[r].append(t)
-            logprobs[r].append(l)
+        done = torch.isin(tok, eos) & live
+        for r, t, l, a in zip(rows.tolist(), tok.tolist(), lp.tolist(), live.tolist()):
+            if a:
+                tokens[r].append(t)
+                logprobs[r].append(l)
         for r in rows[done].tolist():
             stopped[r] = True
+        live &= ~done
         if step == max_new_tokens - 1:
             break
-        if bool(done.any()):
-            keep = (~done).nonzero().flatten()
-            if keep.numel() == 0:
-                break
+        n_live = int(live.sum())
+        if n_live == 0:
+            break
+        if len(live) - n_live >= max(1, len(live) // 8):
+            keep = live.nonzero().flatten()
             cache.batch_select_indices(keep)
-            rows, tok, mask, pos = rows[keep], tok[keep], mask[keep], pos[keep]
+            rows, tok, mask, pos, live = rows[keep], tok[keep], mask[keep], pos[keep], live[keep]
         mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=-1)
         pos = pos + 1
         out = model(input_ids=tok.unsqueeze(-1), attention_mask=mask, position_ids=pos, use_cache=True,

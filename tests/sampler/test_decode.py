@@ -65,3 +65,29 @@ def test_greedy_decoding_matches_generate(digit_example):
         ref = model.generate(input_ids=x, attention_mask=torch.ones_like(x), max_new_tokens=12, do_sample=False,
                              eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)[0, len(r):].tolist()
         assert out.tokens[i] == ref
+
+
+def test_rows_that_stop_keep_their_answer_while_the_others_run_on(digit_example):
+    """Stopped rows leave the batch in bunches: until then they run on, and nothing they make is
+    kept. Every row's log-probs are those of a fresh forward pass over its prompt and answer."""
+    import os
+
+    from pipeline.models import load_model, load_tokenizer
+
+    folder = os.path.join(digit_example, "model")
+    tok, model = load_tokenizer(folder), load_model(folder, "float32").eval()
+    prompt = tok("digits 4 1 9 :", add_special_tokens=False)["input_ids"]
+    ids, mask = torch.tensor([prompt]), torch.ones(1, len(prompt), dtype=torch.long)
+    eos = set(range(0, model.config.vocab_size, 20))  # a twentieth of the vocabulary ends a row
+    out = decode(model, ids, mask, n=64, max_new_tokens=16, eos_ids=sorted(eos), temperature=3.0,
+                 generator=torch.Generator().manual_seed(0))
+    ends = sorted(len(t) for t, s in zip(out.tokens, out.stopped) if s)
+    assert len(set(ends)) > 4 and ends[0] < 4 and not all(out.stopped), ends  # rows stopped at many steps
+    for tokens, lps, stopped in zip(out.tokens, out.logprobs, out.stopped):
+        assert len(lps) == len(tokens) and (tokens[-1] in eos) == stopped
+        assert not eos & set(tokens[:-1])
+        assert stopped or len(tokens) == 16
+        x = torch.tensor([prompt + tokens])
+        with torch.no_grad():
+            ref = torch.log_softmax(model(input_ids=x).logits[0, len(prompt) - 1:-1] / 3.0, -1)
+        assert torch.allclose(torch.tensor(lps), ref.gather(-1, torch.tensor(tokens)[:, None]).squeeze(-1), atol=1e-4)
