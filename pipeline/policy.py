@@ -33,8 +33,9 @@ import time
 from dataclasses import dataclass
 from typing import Iterable, Iterator
 
+from .config import ConfigError
 from .model_cache import cache_dir
-from .policy_cache import REMOTE_POLL_S, SHARED, VERSION_RE, LocalCopies, version_dirname
+from .policy_cache import LOCAL_COPIES, REMOTE_POLL_S, SHARED, VERSION_RE, LocalCopies, version_dirname
 from .rundir import RunDir
 from .storage import delete, file_exists, is_local, list_names, put_atomic, read_bytes
 
@@ -308,7 +309,11 @@ class PolicyStore:
             except (FileNotFoundError, ValueError, AttributeError):
                 born = ""
             key = hashlib.sha256(f"{self.run.url}|{born}".encode()).hexdigest()[:8]
-            self._local = LocalCopies(cache_dir() / "policies" / f"{self.run.run_id}-{key}")
+            try:  # a fixed-lag sampler restarted on another node asks for the version max_staleness behind
+                keep = max(LOCAL_COPIES, self.run.config().sampler.max_staleness + 1)
+            except ConfigError:
+                keep = LOCAL_COPIES
+            self._local = LocalCopies(cache_dir() / "policies" / f"{self.run.run_id}-{key}", keep)
         return self._local
 
     def local_dir(self, version: int) -> str:

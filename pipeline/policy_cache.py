@@ -16,7 +16,8 @@ has `manifest.json` is complete and was committed in the run directory. Two ways
 The folder of a run is named after the run's id, a hash of its URL and the time it was first
 prepared (`prepare.json`'s `created`), so a new run at the same URL never reads the copies of the
 one before, and a resumed run keeps its own. Copies are
-bounded (v0 and the newest `LOCAL_COPIES`); a copy a reader holds (`pinned`) is not pruned.
+bounded (v0 and the newest `LOCAL_COPIES`, or `sampler.max_staleness` + 1); a copy a reader holds
+(`pinned`) is not pruned.
 """
 
 from __future__ import annotations
@@ -35,8 +36,9 @@ from typing import Callable, Iterator
 
 VERSION_RE = re.compile(r"^v(\d{6,})$")
 LOCAL_COPIES = 3
-"""Local copies of a remote run's versions kept besides v0: the newest ones (a fixed-lag sampler,
-`sampler.max_staleness` 2, restarted beside the trainer runs the third newest)."""
+"""Local copies of a remote run's versions kept besides v0, at least: the newest ones. A run keeps
+`sampler.max_staleness` + 1 where that is more: a fixed-lag sampler restarted beside the trainer
+runs the version `max_staleness` behind the newest (see PolicyStore._copies)."""
 SHARED = "shared"
 """Manifest key of the files a version shares with others (stored once in the run directory)."""
 SEEDED = ".seeded"
@@ -51,8 +53,9 @@ def version_dirname(version: int) -> str:
 
 
 class LocalCopies:
-    def __init__(self, root: Path):
+    def __init__(self, root: Path, keep: int = LOCAL_COPIES):
         self.root = root
+        self.keep = keep  # the newest copies that pruning leaves
 
     def folder(self, version: int) -> Path:
         return self.root / version_dirname(version)
@@ -139,9 +142,9 @@ class LocalCopies:
         os.rename(folder, dst)
 
     def prune(self, keep: set[int]) -> None:
-        """Delete the copies except `keep` and the newest LOCAL_COPIES; a held copy is skipped."""
+        """Delete the copies except `keep` and the newest `self.keep`; a held copy is skipped."""
         copies = self._versions()
-        keep = keep | set(copies[-LOCAL_COPIES:])
+        keep = keep | set(copies[-self.keep:])
         for v in copies:
             if v in keep:
                 continue

@@ -98,6 +98,18 @@ def test_a_loader_whose_version_was_deleted_takes_the_newest_one(model_dir, tmp_
         assert lease.version == 3 and load_state_dict(lease.path)
 
 
+def test_local_copies_cover_the_staleness_bound_of_the_run(model_dir):
+    """A fixed-lag sampler restarted on another node asks for the version max_staleness behind the
+    newest: a run with a wider bound than LOCAL_COPIES - 1 keeps that many more copies."""
+    store = _store(f"memory://policy-test-{uuid.uuid4().hex}/run-1")
+    store.fs.pipe(store.run.path("config.yaml"), b"sampler: {max_staleness: 5}\n")
+    assert store._copies().keep == 6 > LOCAL_COPIES
+    for v in range(10):
+        store.publish_folder(v, model_dir)
+        store.local_dir(v)
+    assert sorted(os.listdir(store._copies().root)) == [version_dirname(v) for v in (0, *range(4, 10))]
+
+
 def test_an_exact_lease_of_a_deleted_version_fails_instead_of_taking_the_newest(model_dir, tmp_path):
     store = _store(str(tmp_path / "run-1"))
     for v in range(4):
