@@ -13,6 +13,12 @@ trainer, one thread each; TRL: one process, two threads), on the same inputs:
   per step, one optimizer step per batch), generation length, sampling temperature 1 (no top-k),
   learning rate (5e-4, constant), no KL term, clip 0.2, token-mean loss, group-normalised
   advantages;
+- each arm in its fastest precision on this CPU. The generation-heavy config trains in bf16
+  (`trainer.dtype`) and samples in float32. TRL's one model trains and generates in one dtype:
+  float32 by default, `--peer-bf16` for `bf16=True` (autocast, float32 master weights, eager
+  attention like our bf16 trainer). On the generation-heavy regime its bf16 gained nothing here:
+  0.72, 0.93 and 1.08 s per step against 0.83, 0.81 and 0.92 s in float32 (pairs of 24- to
+  40-step runs, one after the other);
 - the same held-out evaluation, run after both arms with the same code (`pipeline.evaluate`,
   greedy, the run's `data/eval.parquet`) on the policies after 0, K, 2K, ... steps: ours reads them
   from `<run>/policy/v<K>` (retention widened so that they all stay), TRL's arm saves them every K
@@ -33,6 +39,7 @@ Printed per regime:
   batch's start to the last step's end; TRL: less the saving time).
 - `*_start_s`: the clock at the end of step 1 (start-up plus one step).
 - `*_curve`: [step, clock_s, held-out score] per evaluated step.
+- `dtypes`: the compute dtype of our trainer and sampler and of TRL's arm.
 - generation-heavy only, a third arm: ours again with L2 replay on (`REPLAY`), printed as
   `ours_replay_*` with `replay_tokens_ratio` and `replay_time_ratio` (replay / no replay: < 1 is
   fewer generated tokens, resp. less time, to the target) and `ours_replay_reuse_rate`.
@@ -81,6 +88,7 @@ def parse_args(argv=None):
     p.add_argument("--smoke", action="store_true", help="a few steps per arm, 64 held-out prompts (~2 min)")
     p.add_argument("--peer-python", default=str(ROOT / ".venv-peer" / "bin" / "python"))
     p.add_argument("--threads", type=int, default=2, help="cores per arm")
+    p.add_argument("--peer-bf16", action="store_true", help="TRL's arm in bf16 mixed precision (default: float32)")
     p.add_argument("--work-dir", default=None, help="where runs go (default: a temporary folder, removed)")
     return p.parse_args(argv)
 
@@ -148,13 +156,15 @@ def run_ours(s: dict, run_dir: Path, threads: int, extra: tuple[str, ...] = ()) 
             "load": os.getloadavg()[0]}
 
 
-def run_trl(s: dict, model: str, train: str, out: Path, peer_python: str, threads: int) -> dict:
+def run_trl(s: dict, model: str, train: str, out: Path, peer_python: str, threads: int, bf16: bool = False) -> dict:
     cfg = s["cfg"]
     argv = [peer_python, str(ROOT / "bench" / "peer_trl.py"), "--model", model, "--train", train,
             "--reward", cfg.reward.fn, "--out", str(out), "--steps", str(s["steps"]),
             "--save-every", str(s["eval_every"]), "--max-new-tokens", str(cfg.sampler.max_new_tokens),
             "--lr", str(cfg.trainer.lr), "--prompts-per-step", str(cfg.trainer.groups_per_step),
             "--group-size", str(cfg.sampler.group_size), "--threads", str(threads), "--seed", str(cfg.seed)]
+    if bf16:
+        argv.append("--bf16")
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads), HF_HUB_OFFLINE="1",
                HF_DATASETS_OFFLINE="1", WANDB_DISABLED="true")
     t0, cpu0 = time.time(), child_cpu_s()
@@ -259,7 +269,7 @@ def run_regime(name: str, args, work: Path) -> dict:
     t_bench = time.time()
     ours = run_ours(s, work / f"{name}-ours", args.threads)
     replay = run_ours(s, work / f"{name}-replay", args.threads, replay_overrides(s)) if s.get("replay_arm") else None
-    trl = run_trl(s, src["model"], src["train"], work / f"{name}-trl", args.peer_python, args.threads)
+    trl = run_trl(s, src["model"], src["train"], work / f"{name}-trl", args.peer_python, args.threads, args.peer_bf16)
     ev = Evaluator(s["cfg"], str(work / f"{name}-ours" / "data" / "eval.parquet"), args.threads)
     try:
         oc, tc = ours_curve(ours, s, ev), trl_curve(trl, s, work / f"{name}-trl", ev)
@@ -270,6 +280,8 @@ def run_regime(name: str, args, work: Path) -> dict:
     summ = ours["summary"]
     return {"regime": name, "target": s["target"], "steps": s["steps"], "eval_every": s["eval_every"],
             "eval_prompts": len(ev.prompts), "max_new_tokens": s["cfg"].sampler.max_new_tokens,
+            "dtypes": {"ours_trainer": s["cfg"].trainer.dtype or s["cfg"].model.dtype, "ours_sampler": s["cfg"].model.dtype,
+                       "trl": "bfloat16" if args.peer_bf16 else "float32"},
             "trl_time_to_target_s": t["time_to_target_s"], "ours_time_to_target_s": o["time_to_target_s"],
             "ratio_time_to_target": ratio(o["time_to_target_s"], t["time_to_target_s"]),
             "trl_gen_tokens_per_s": t["gen_tokens_per_s"], "ours_gen_tokens_per_s": o["gen_tokens_per_s"],

@@ -39,6 +39,7 @@ def parse_args(argv=None):
     p.add_argument("--group-size", type=int, default=8)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--bf16", action="store_true", help="bf16 mixed precision (autocast), eager attention")
     return p.parse_args(argv)
 
 
@@ -67,7 +68,8 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     tok = AutoTokenizer.from_pretrained(a.model, local_files_only=True)
     tok.padding_side = "left"
-    model = AutoModelForCausalLM.from_pretrained(a.model, local_files_only=True, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(a.model, local_files_only=True, dtype=torch.float32,
+                                                 attn_implementation="eager" if a.bf16 else None)
     counters = {"tokens": 0, "reward_sum": 0.0, "n": 0}
 
     def reward(prompts, completions, completion_ids, data_source, ground_truth, **_):
@@ -110,7 +112,7 @@ def main(argv=None) -> int:
         num_generations=a.group_size, max_completion_length=a.max_new_tokens, learning_rate=a.lr,
         lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0, beta=0.0,
         epsilon=0.2, loss_type="dapo", scale_rewards="group", num_iterations=1, temperature=1.0, top_k=0,
-        top_p=1.0, use_vllm=False, use_cpu=True, bf16=False, gradient_checkpointing=False, report_to="none",
+        top_p=1.0, use_vllm=False, use_cpu=True, bf16=a.bf16, gradient_checkpointing=False, report_to="none",
         save_strategy="no", logging_steps=10_000, disable_tqdm=True, max_steps=a.steps, seed=a.seed,
         dataloader_num_workers=0,
     )

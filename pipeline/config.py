@@ -61,7 +61,7 @@ class ModelConfig(_Section):
     path: str = "builtin:sort"
     """A Hugging Face model folder (local path or fsspec URL), or `builtin:<task>` for the tiny model."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    """Compute and serving dtype: the sampler loads the policy in it, the trainer computes in it while its master weights and optimizer state stay float32 (bfloat16 on GPUs; float32 on CPU, where bf16 is slower)."""
+    """Compute and serving dtype: the sampler loads the policy in it, the trainer computes in it while its master weights and optimizer state stay float32 (bfloat16 on GPUs; float32 on CPU, where bf16 decoding is slower: see trainer.dtype)."""
     trust_remote_code: bool = False
     """Run the Python code a model folder ships (an architecture transformers does not know, named by `auto_map` in its config.json) when the trainer, the sampler (hf and vllm) and evaluation load its tokenizer and model; off by default: turn it on only for folders you trust."""
 
@@ -214,6 +214,8 @@ class TrainerConfig(_Section):
     """Policy versions kept: the newest K; v0, phase-end versions (the last is the final one) and any version a sampler is loading stay as well, older ones are deleted after each publication."""
     threads: int = Field(1, gt=0)
     """torch intra-op threads of the trainer process."""
+    dtype: Literal["float32", "bfloat16", "float16"] | None = None
+    """The trainer's compute dtype, when it should differ from `model.dtype` (which the sampler serves in and the trainer publishes in); master weights and optimizer state stay float32. On a CPU with bf16 matrix units (AMX), `bfloat16` here with a float32 sampler takes 0.29 s per step of the generation-heavy config instead of 0.36 s: the matmuls gain, while decoding one token at a time does not (see pipeline.trainer.precision)."""
     borrow_threads: int = Field(0, ge=0)
     """When the samplers share this machine's CPU cores with a one-process trainer (the laptop path): threads the trainer adds for the rest of a fresh step once every sampler is held by the staleness bound (they compute nothing until this step's policy is published), given back when the step ends. 0: never. It changes when steps end, and so, without `sampler.fixed_lag`, which policy version makes each batch (timing decides that there anyway); the updates stay the same where the kernels' sums do not depend on the thread count (the built-in tiny models on CPU: the same weights bit for bit after steps at 1 and at 2 threads)."""
     log_every: int = Field(5, gt=0)

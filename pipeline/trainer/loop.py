@@ -46,7 +46,7 @@ from .distributed import World, init_world, shard
 from .feed import ConsumedMarks, FreshFeed, GaveWay, TrainerStopped, wait_for_gate
 from .phases import phase_end_steps, replay_epoch_steps
 from .publish import BackgroundPublisher, publish_policy
-from .precision import Precision
+from .precision import DTYPES, Precision
 from .step import train_step
 
 log = logging.getLogger("rlhf.trainer")
@@ -83,7 +83,7 @@ def build_models(base: str, cfg, world: World, precision: Precision, critic: boo
     head = shard(head, world, policy=False) if head is not None else None  # small: computes in fp32
     ref = None
     if tc.kl_coef > 0:
-        ref = load_model(base, cfg.model.dtype, trust_remote_code=cfg.model.trust_remote_code)
+        ref = load_model(base, precision.name, trust_remote_code=cfg.model.trust_remote_code)
         ref = shard(ref.to(world.device).eval().requires_grad_(False), world)
     return ActorCritic(policy, head), ref
 
@@ -100,7 +100,7 @@ class Trainer:
         self.store = PolicyStore(run)
         base = self.store.local_dir(0)
         self.tokenizer = load_tokenizer(base, trust_remote_code=cfg.model.trust_remote_code)
-        self.precision = Precision.of(cfg.model.dtype, world.device, sharded=world.distributed)
+        self.precision = Precision.of(tc.dtype or cfg.model.dtype, world.device, sharded=world.distributed)
         self.actor, self.ref = build_models(base, cfg, world, self.precision, critic=self.algo.critic)
         policy, critic = self.actor.policy, self.actor.critic
         groups = [{"params": list(policy.parameters()), "lr": tc.lr}]
@@ -282,7 +282,8 @@ class Trainer:
 
     def _publish(self, publisher) -> None:
         """Publish the weights as version `step` (idempotent: a version already committed stays)."""
-        publish_policy(self.run, self.state.step, self.actor, self.tokenizer, self.world, dtype=self.precision.dtype,
+        serve = DTYPES[self.cfg.model.dtype]  # the sampler's dtype (the trainer may compute in another)
+        publish_policy(self.run, self.state.step, self.actor, self.tokenizer, self.world, dtype=serve,
                        publisher=publisher)
 
     def run_loop(self) -> dict:

@@ -15,9 +15,11 @@ from pipeline.trainer.step import train_step
 REWARDS = [1.0, 0.0, 0.5, 0.0, 1.0, 1.0, 0.0, 0.2]
 
 
-def _setup(example, dtype: str, lr: float):
+def _setup(example, dtype: str, lr: float, serve: str | None = None):
+    """`dtype`: the trainer's compute dtype; `serve`: model.dtype when it differs (trainer.dtype)."""
     torch.manual_seed(0)
-    cfg = parse_config({"model": {"dtype": dtype}, "trainer": {"lr": lr, "kl_coef": 0.0}})
+    model = {"dtype": serve or dtype}
+    cfg = parse_config({"model": model, "trainer": {"lr": lr, "kl_coef": 0.0, "dtype": dtype if serve else None}})
     world = World()
     precision = Precision.of(dtype, world.device, sharded=False)
     actor, _ = build_models(f"{example}/model", cfg, world, precision)
@@ -30,8 +32,14 @@ def test_bf16_run_keeps_fp32_master_weights_that_move_at_lr_1e6(digit_example):
     cfg, actor, opt, precision, tok = _setup(digit_example, "bfloat16", 1e-6)
     assert {p.dtype for p in actor.policy.parameters()} == {torch.float32}
     batch = collate(rollout_table(tok, REWARDS), tok.pad_token_id)
+    seen = {}
+    hook = actor.policy.model.layers[0].mlp.register_forward_hook(lambda m, i, o: seen.update(mlp=o.dtype))
     with torch.no_grad():
-        assert actor.policy(input_ids=batch.input_ids[:1]).logits.dtype == torch.bfloat16  # computes in bf16
+        logits = actor.policy(input_ids=batch.input_ids[:1]).logits
+    hook.remove()
+    assert seen["mlp"] == torch.bfloat16  # computes in bf16 ...
+    assert logits.dtype == torch.float32  # ... but for the LM head (the log-probs), on CPU
+    assert actor.policy.config._attn_implementation == "eager"  # the CPU flash kernel's bf16 backward is slow
     before = {k: v.clone() for k, v in actor.policy.named_parameters()}
     train_step(actor, None, opt, batch, cfg.trainer, 1.0, precision=precision)
     moved = [k for k, v in actor.policy.named_parameters() if not torch.equal(v, before[k])]
@@ -67,3 +75,23 @@ def test_bf16_loss_curve_tracks_the_fp32_run(digit_example):
     for (loss32, ent32), (loss16, ent16) in zip(curves["float32"], curves["bfloat16"]):
         assert abs(loss32 - loss16) < 0.01 and abs(ent32 - ent16) < 0.05, curves
     assert curves["float32"][-1][1] < curves["float32"][0][1] - 0.5  # it learns: tracking it says something
+
+
+def test_trainer_dtype_computes_in_bf16_and_publishes_in_the_serving_dtype(tmp_path):
+    """trainer.dtype=bfloat16 with model.dtype=float32 (a CPU with bf16 matrix units): the trainer
+    computes in bf16 and the versions it publishes stay float32, the dtype the sampler loads."""
+    from pipeline.orchestration import prepare
+    from pipeline.policy import PolicyStore
+    from safetensors.torch import load_file
+
+    from pipeline.trainer.loop import Trainer
+
+    cfg = parse_config({"model": {"path": "builtin:digit"}, "data": {"train": "builtin:digit", "eval": "builtin:digit",
+                        "eval_size": 8}, "reward": {"fn": "digit"}, "trainer": {"dtype": "bfloat16"}})
+    run = prepare(cfg, run_url=str(tmp_path / "run"))
+    t = Trainer(run, World())
+    assert t.precision.dtype == torch.bfloat16 and t.actor.policy.config._attn_implementation == "eager"
+    t.state.step = 1
+    t._publish(None)
+    weights = load_file(f"{PolicyStore(run).local_dir(1)}/model.safetensors")
+    assert {v.dtype for v in weights.values() if v.is_floating_point()} == {torch.float32}
