@@ -2,7 +2,7 @@
 
     make peer                                   # builds .venv-peer (requirements/peer.txt), runs both regimes
     .venv/bin/python bench/peer.py [--regimes demo,generation-heavy] [--smoke] [--steps N]
-        [--eval-every K] [--eval-size N] [--target X] [--peer-python .venv-peer/bin/python]
+        [--eval-every K] [--eval-size N] [--target X] [--peer-python .venv-peer/bin/python] [--peer-bf16]
 
 Each regime runs the two arms one after the other, each with both cores (ours: sampler and
 trainer, one thread each; TRL: one process, two threads), on the same inputs:
