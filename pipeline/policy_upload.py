@@ -13,11 +13,12 @@ another node holds a lease (`policy/leases/`, which only readers that load from 
 write; looked at most every REMOTE_POLL_S), or when it cannot be seeded. Otherwise (a publisher
 that `defer`s: the trainer's background thread, which calls `flush` when it has been idle for
 REMOTE_POLL_S and at its end) it waits, and `flush` uploads the versions still waiting whose
-copies this node keeps (the newest `sampler.max_staleness` + 1, LOCAL_COPIES at least: a fixed-lag
-sampler restarted on another node, which the trainer waits for, asks for one of those). So readers elsewhere (which learn of versions
-from `latest.json`) see the newest version within about REMOTE_POLL_S, and the store gets about a
-version a second however fast the trainer steps, instead of one per step (the run directory stays
-the record: the phase-end versions, the checkpoints and the newest in-phase versions are there).
+copies this node keeps (the newest `sampler.max_staleness` + 1, LOCAL_COPIES at least: a
+fixed-lag sampler restarted on another node, which the trainer waits for, asks for one of those).
+So readers elsewhere (which learn of versions from `latest.json`) see the newest version within
+about REMOTE_POLL_S, and the store gets about a version a second however fast the trainer steps,
+instead of one per step (the run directory stays the record: the phase-end versions, the
+checkpoints and the newest in-phase versions are there).
 """
 
 from __future__ import annotations
