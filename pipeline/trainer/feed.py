@@ -37,13 +37,15 @@ class _Wait:
     """The pace of a trainer's wait: it polls every `poll_s` at first, then every quarter of the
     time waited so far, up to `RunDir.STOP_CHECK_S` (a new batch is picked up at most a quarter
     later than it would be otherwise; an idle wait costs few requests), and looks for the stop
-    marker at most every `RunDir.STOP_CHECK_S` and before it times out. With `cancel` set, a
-    sleep ends when it is set and raises `_Cancelled`. `steady`: it polls every `poll_s` throughout
-    (a wait whose end is wanted at once even when it is long)."""
+    marker at most every `RunDir.STOP_CHECK_S` and before it times out. With `signal` (a read
+    ahead's), a sleep ends when it is set: it raises `_Cancelled` if the read was given up, and
+    otherwise (the trainer has begun to wait for it) polls at once and paces its polls from then.
+    `steady`: it polls every `poll_s` throughout (a wait whose end is wanted at once even when it
+    is long)."""
 
-    def __init__(self, run: RunDir, poll_s: float, timeout_s: float, cancel: threading.Event | None = None,
+    def __init__(self, run: RunDir, poll_s: float, timeout_s: float, signal: "_Signal | None" = None,
                  steady: bool = False):
-        self.run, self.poll_s, self.timeout_s, self.cancel, self.steady = run, poll_s, timeout_s, cancel, steady
+        self.run, self.poll_s, self.timeout_s, self.signal, self.steady = run, poll_s, timeout_s, signal, steady
         self.t0 = self.stop_checked = time.monotonic()  # a step of the wall clock ends no wait
 
     def waited(self) -> float:
@@ -60,10 +62,31 @@ class _Wait:
         if waited > self.timeout_s:
             raise TimeoutError(timeout_message())
         pause = self.poll_s if self.steady else max(self.poll_s, min(waited / 4, RunDir.STOP_CHECK_S))
-        if self.cancel is None:
+        if self.signal is None:
             time.sleep(pause)
-        elif self.cancel.wait(pause):
-            raise _Cancelled()
+        elif self.signal.event.wait(pause):
+            if self.signal.stopped:
+                raise _Cancelled()
+            self.signal.event.clear()
+            self.t0 = time.monotonic()
+
+
+class _Signal:
+    """Ends a read ahead's sleep: `stop` gives the read up; `hurry` says the trainer now waits for
+    it. A read ahead starts with the step before the one it is for, so by the time that step ends
+    it has "waited" a whole step and backed off to polls a quarter of a step apart: without the
+    hurry, groups committed just after the step's end would be picked up that much later."""
+
+    def __init__(self):
+        self.event = threading.Event()
+        self.stopped = False
+
+    def stop(self) -> None:
+        self.stopped = True
+        self.event.set()
+
+    def hurry(self) -> None:
+        self.event.set()
 
 
 class ConsumedMarks:
@@ -107,13 +130,13 @@ class ConsumedMarks:
 
 def wait_for_groups(buffer: ReplayBuffer, run: RunDir, cursor: dict | None, groups: int,
                     poll_s: float, timeout_s: float, marks: ConsumedMarks | None = None,
-                    cancel: threading.Event | None = None, steady: bool = False) -> tuple[pa.Table, dict | None, float]:
+                    signal: _Signal | None = None, steady: bool = False) -> tuple[pa.Table, dict | None, float]:
     """Read exactly `groups` fresh groups (blocking). Returns (table, new cursor, seconds waited).
     While it waits, `marks` records what was consumed if a sampler may be waiting for that
     (`ConsumedMarks.waiting`). `steady`: poll every `poll_s` however long it waits (`_Wait`)."""
     parts: list[pa.Table] = []
     have = 0
-    wait = _Wait(run, poll_s, timeout_s, cancel, steady)
+    wait = _Wait(run, poll_s, timeout_s, signal, steady)
     while have < groups:
         table, cursor = buffer.read_fresh(cursor, groups - have)
         if table.num_rows:
@@ -139,7 +162,7 @@ class _ReadAhead:
     """One read of `groups` groups from `cursor` on a thread of its own."""
 
     def __init__(self, feed: FreshFeed, cursor: dict | None):
-        self.cursor, self.cancel, self.done = cursor, threading.Event(), threading.Event()
+        self.cursor, self.signal, self.done = cursor, _Signal(), threading.Event()
         self.result: tuple | None = None
         self.error: BaseException | None = None
         self.thread = threading.Thread(target=self._run, args=(feed,), name="trainer-read-ahead", daemon=True)
@@ -148,14 +171,14 @@ class _ReadAhead:
     def _run(self, feed: FreshFeed) -> None:
         try:
             self.result = wait_for_groups(feed.buffer, feed.run, self.cursor, feed.groups, feed.poll_s,
-                                          feed.timeout_s, cancel=self.cancel, steady=feed.steady)
+                                          feed.timeout_s, signal=self.signal, steady=feed.steady)
         except BaseException as e:  # re-raised by the step that takes it
             self.error = e
         finally:
             self.done.set()
 
     def stop(self) -> None:
-        self.cancel.set()
+        self.signal.stop()
         self.thread.join()
 
 
@@ -168,7 +191,8 @@ class FreshFeed:
     that wanted it, as it would be by a read made then. Only the caller (`marks`) records what
     was consumed, while it waits. `steady`: the read ahead polls every `poll_s` however long it
     waits, so that `ready` turns true within a poll of the groups' commit (the trainer acts on it
-    in the middle of a step: `BorrowedThreads`); otherwise it backs off like any wait."""
+    in the middle of a step: `BorrowedThreads`); otherwise it backs off like any wait until the
+    trainer takes it, and polls at once then (`_Signal`)."""
 
     def __init__(self, buffer: ReplayBuffer, run: RunDir, groups: int, poll_s: float, timeout_s: float,
                  marks: ConsumedMarks | None = None, steady: bool = False):
@@ -186,6 +210,8 @@ class FreshFeed:
                                                  self.timeout_s, self.marks)
         else:
             t0 = time.monotonic()
+            if not pending.done.is_set():
+                pending.signal.hurry()
             while not pending.done.is_set():  # interrupted (a signal), the read stays for close() to end
                 if self.marks is not None:
                     self.marks.waiting()

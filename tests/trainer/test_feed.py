@@ -175,3 +175,19 @@ def test_a_steady_read_ahead_keeps_polling_at_poll_s_however_long_it_waits():
             assert time.time() - t0 < 0.25
         feed.close()
     assert reads[True] >= 40 and reads[False] <= 30, reads
+
+
+def test_a_read_ahead_backed_off_during_the_step_polls_at_once_when_the_trainer_takes_it():
+    """The read ahead starts with the step before its own: by that step's end it has waited a
+    whole step and polls a quarter of that apart. The take hurries it: groups committed just
+    after a poll are read within a poll or so of the take, not a quarter-step later."""
+    log = Log(committed=2)
+    feed = FreshFeed(log, Run(), groups=2, poll_s=0.01, timeout_s=60)
+    _, cursor, _ = feed.take(None, ahead=True)
+    time.sleep(2.0)  # "the step": the read ahead now sleeps ~0.5 s between polls
+    polled = len(log.reads)
+    _until(lambda: len(log.reads) > polled)  # it has just polled: its next poll is ~0.5 s away
+    log.commit(2)
+    table, _, waited = feed.take(cursor, ahead=False)
+    assert groups_of(table) == ["g2", "g3"]
+    assert waited < 0.2, waited
