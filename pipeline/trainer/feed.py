@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import deque
 
 import pyarrow as pa
 
@@ -165,6 +166,7 @@ class _ReadAhead:
         self.cursor, self.signal, self.done = cursor, _Signal(), threading.Event()
         self.result: tuple | None = None
         self.error: BaseException | None = None
+        self.ended_at: float | None = None  # time.monotonic() when the read ended
         self.thread = threading.Thread(target=self._run, args=(feed,), name="trainer-read-ahead", daemon=True)
         self.thread.start()
 
@@ -175,6 +177,7 @@ class _ReadAhead:
         except BaseException as e:  # re-raised by the step that takes it
             self.error = e
         finally:
+            self.ended_at = time.monotonic()
             self.done.set()
 
     def stop(self) -> None:
@@ -199,6 +202,7 @@ class FreshFeed:
         self.buffer, self.run, self.groups = buffer, run, groups
         self.poll_s, self.timeout_s, self.marks, self.steady = poll_s, timeout_s, marks, steady
         self._ahead: _ReadAhead | None = None
+        self._arrivals: deque[float] = deque(maxlen=9)  # when the last steps' reads ended
 
     def take(self, cursor: dict | None, ahead: bool) -> tuple[pa.Table, dict | None, float]:
         pending = self._ahead
@@ -208,6 +212,7 @@ class FreshFeed:
         if pending is None:
             table, nxt, waited = wait_for_groups(self.buffer, self.run, cursor, self.groups, self.poll_s,
                                                  self.timeout_s, self.marks)
+            self._arrivals.append(time.monotonic())
         else:
             t0 = time.monotonic()
             if not pending.done.is_set():
@@ -221,6 +226,7 @@ class FreshFeed:
             if pending.error is not None:
                 raise pending.error
             table, nxt, _ = pending.result
+            self._arrivals.append(pending.ended_at)
         if ahead:
             self._ahead = _ReadAhead(self, nxt)
         return table, nxt, waited
@@ -231,8 +237,40 @@ class FreshFeed:
         pending = self._ahead
         return pending is not None and pending.done.is_set()
 
+    def expected_in(self) -> float | None:
+        """Seconds until the next step's groups are expected (negative: overdue): the last step's
+        read ended at a, and the next one should end a median interval of the last steps' after
+        it. None until three reads have ended."""
+        a = self._arrivals
+        if len(a) < 3:
+            return None
+        gaps = sorted(later - earlier for earlier, later in zip(list(a)[:-1], list(a)[1:]))
+        return a[-1] + gaps[len(gaps) // 2] - time.monotonic()
+
     def close(self) -> None:
         """Give up a read ahead (the loop ended): its thread ends within one poll."""
         pending, self._ahead = self._ahead, None
         if pending is not None:
             pending.stop()
+
+
+class ReplayPace:
+    """Whether a yielding replay epoch (`trainer.replay_yield`) starts its next update: only when
+    the update is expected to end before the next fresh step's groups come (`FreshFeed.expected_in`),
+    at the pace of the last replay updates (of the last fresh steps until one has run, which costs
+    more: a replay trains on part of its rows). Started on every chance instead, an update under
+    way when the groups come holds the fresh step back until its micro-batch ends, and its work so
+    far is thrown away; an update started on a wrong guess still gives way there (`GaveWay`)."""
+
+    SMOOTHING = 0.3  # weight of the newest duration in the running estimates
+
+    def __init__(self):
+        self.seconds: dict[str, float | None] = {"fresh": None, "replay": None}
+
+    def took(self, kind: str, seconds: float) -> None:
+        old = self.seconds[kind]
+        self.seconds[kind] = seconds if old is None else old + self.SMOOTHING * (seconds - old)
+
+    def fits(self, expected_in: float | None) -> bool:
+        cost = self.seconds["replay"] if self.seconds["replay"] is not None else self.seconds["fresh"]
+        return expected_in is None or cost is None or expected_in >= cost

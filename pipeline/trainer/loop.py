@@ -43,7 +43,7 @@ from .borrow import BorrowedThreads
 from .checkpoint import TrainerState, latest_checkpoint, load_checkpoint, save_checkpoint
 from .critic import ActorCritic, ValueHead
 from .distributed import World, init_world, shard
-from .feed import ConsumedMarks, FreshFeed, GaveWay, TrainerStopped, wait_for_gate
+from .feed import ConsumedMarks, FreshFeed, GaveWay, ReplayPace, TrainerStopped, wait_for_gate
 from .phases import phase_end_steps, replay_epoch_steps
 from .publish import BackgroundPublisher, publish_policy
 from .precision import DTYPES, Precision
@@ -120,6 +120,7 @@ class Trainer:
                               self.marks if world.is_main else None, steady=borrow)
         self.borrow = BorrowedThreads(tc.threads, tc.borrow_threads, cfg.sampler.max_staleness, tc.groups_per_step,
                                       self.feed, self.buffer, cfg.sampler.poll_s) if borrow else None
+        self.pace = ReplayPace()
         self.state = TrainerState()
         ck = latest_checkpoint(run)
         if ck is not None:
@@ -168,6 +169,7 @@ class Trainer:
         for s in staleness.tolist():
             hist[str(s)] = hist.get(str(s), 0) + 1
         t1 = time.time()
+        self.pace.took("fresh", t1 - t0)
         return self._record(batch, res, t0, t1, waited, table.num_rows, {
             "staleness/mean": staleness.float().mean().item(), "staleness/max": int(staleness.max()),
             "staleness/hist": hist, "replay/is_replay": 0, **borrowed,
@@ -197,6 +199,12 @@ class Trainer:
         due = self.state.step >= self.tc.steps or self.feed.ready()
         return bool(self.world.max_int(int(due)))
 
+    def _replay_gives_way(self) -> bool:
+        """Before a yielding replay update: the next fresh step's groups are here, or are expected
+        before the update would end (`ReplayPace`); every rank decides as the slowest would."""
+        late = not self.pace.fits(self.feed.expected_in())
+        return self.fresh_due() or bool(self.world.max_int(int(late)))
+
     def _give_way(self) -> None:
         """Before each replay micro-batch (`replay_yield`, one update epoch): fresh data stops it unapplied."""
         if self.fresh_due():
@@ -209,8 +217,9 @@ class Trainer:
         n = self.buffer.eligible_replay_groups() // tc.groups_per_step
         done = 0
         for i in range(n):
-            if tc.replay_yield and self.fresh_due():
-                log.info("replay epoch %d: gives way to fresh data after %d of %d updates", epoch, i, n)
+            if tc.replay_yield and self._replay_gives_way():
+                log.info("replay epoch %d: gives way to fresh data (here, or due before an update would end) "
+                         "after %d of %d updates", epoch, i, n)
                 break
             t0 = time.time()
             rb = self.buffer.sample_replay(tc.groups_per_step, step=st.updates,
@@ -227,6 +236,7 @@ class Trainer:
                 log.info("replay epoch %d: gives way to fresh data during update %d of %d", epoch, i + 1, n)
                 break
             st.updates += tc.update_epochs
+            self.pace.took("replay", time.time() - t0)
             if world.is_main:
                 index = {g: k for k, g in enumerate(batch.group_ids)}
                 self.buffer.update_priorities(rb.keys, [float(res.priorities[index[k]]) for k in rb.keys])

@@ -18,6 +18,7 @@ from pipeline.models import load_tokenizer
 from pipeline.orchestration import open_replay_gate, prepare
 from pipeline.policy import PolicyStore
 from pipeline.rundir import RunDir
+from pipeline.trainer.feed import FreshFeed, ReplayPace
 from pipeline.trainer.loop import Trainer
 
 STEPS, GROUPS, GROUP_SIZE = 3, 4, 4
@@ -90,3 +91,40 @@ def test_every_rank_gives_way_once_any_rank_has_the_next_fresh_groups():
     assert _fresh_due(1, ready=True, other=0)
     assert not _fresh_due(1, ready=False, other=0)
     assert _fresh_due(STEPS, ready=False, other=0)  # after the last fresh step
+
+
+def test_a_replay_update_starts_only_when_it_should_end_before_the_next_fresh_groups():
+    """In a run whose trainer is the slower side the next groups are due about as a step ends:
+    an update started then would hold the fresh step back and be thrown away."""
+    pace = ReplayPace()
+    assert pace.fits(0.05)  # nothing measured: it tries (an update still gives way between micro-batches)
+    pace.took("fresh", 0.4)
+    assert not pace.fits(0.3) and pace.fits(0.45) and pace.fits(None)
+    pace.took("replay", 0.2)  # once a replay has run, its own pace (it trains on part of its rows)
+    assert pace.fits(0.3) and not pace.fits(0.1) and not pace.fits(-0.05)
+
+
+def test_the_next_fresh_groups_are_expected_a_median_interval_after_the_last():
+    import test_feed as tf
+
+    log = tf.Log(committed=8)
+    feed = FreshFeed(log, tf.Run(), groups=1, poll_s=0.01, timeout_s=60)
+    cursor = None
+    for _ in range(2):
+        _, cursor, _ = feed.take(cursor, ahead=False)
+        assert feed.expected_in() is None  # fewer than three arrivals: no guess
+        time.sleep(0.3)
+    _, cursor, _ = feed.take(cursor, ahead=False)
+    assert 0.15 < feed.expected_in() <= 0.3 + 0.05
+    time.sleep(0.4)
+    assert feed.expected_in() < 0  # overdue
+
+
+def test_every_rank_gives_way_when_any_rank_expects_the_fresh_groups_before_an_update_would_end():
+    def gives_way(fits: bool, other: int) -> bool:
+        me = SimpleNamespace(pace=SimpleNamespace(fits=lambda expected: fits), feed=SimpleNamespace(expected_in=lambda: 0.1),
+                             fresh_due=lambda: False, world=TwoRanks(other))
+        return Trainer._replay_gives_way(me)
+
+    assert not gives_way(fits=True, other=0)
+    assert gives_way(fits=False, other=0) and gives_way(fits=True, other=1)
