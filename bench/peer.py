@@ -3,9 +3,15 @@
     make peer                                   # builds .venv-peer (requirements/peer.txt), runs both regimes
     .venv/bin/python bench/peer.py [--regimes demo,generation-heavy] [--smoke] [--steps N]
         [--eval-every K] [--eval-size N] [--target X] [--peer-python .venv-peer/bin/python] [--peer-bf16]
+        [--repeats R]
 
-Each regime runs the two arms one after the other, each with both cores (ours: sampler and
-trainer, one thread each; TRL: one process, two threads), on the same inputs:
+Each regime runs the arms one after the other, each with both cores (ours: sampler and trainer,
+one thread each; TRL: one process, two threads), `--repeats` times each (default 2; 1 with
+`--smoke`) in palindromic order: ours, TRL, TRL, ours (`order` in the line). The speed of this
+machine drifts by 20-30% over minutes, and an arm that ran in a fast spell alone moved the ratio
+as much as any change to the code (0.43 and 0.63 in two runs of the same commit); in a palindrome
+a drift that is steady over the bench weighs on both arms alike. Seeded runs of an arm follow the
+same curve; each is evaluated. The arms run on the same inputs:
 
 - the model folder and Parquet prompts `rlhf init-example --task <task>` builds (built before the
   clocks start), prompts rendered with the tokenizer's chat template by both;
@@ -31,19 +37,23 @@ model loads; the TRL script: imports, model load, dataset) and read the end of s
 trainer's `time/end` of step K in `metrics/trainer.jsonl`, for TRL the step's end in its log.
 Printed per regime:
 
-- `*_time_to_target_s`: the clock at the first evaluated step whose held-out score >= `target`
-  (null when never reached); `ratio_time_to_target` = ours / trl (< 1: ours is faster; 0.5: twice as fast).
+- `*_time_to_target_s`: the clock at the first evaluated step whose held-out score >= `target`,
+  the mean over the arm's runs (null unless every run reached it; each run's in
+  `*_time_to_target_runs_s`); `ratio_time_to_target` = ours / trl (< 1: ours is faster; 0.5:
+  twice as fast).
 - `*_tokens_to_target`: completion tokens generated until then (ours: by the sampler, which runs
   ahead of the trainer by up to `sampler.max_staleness` versions; TRL: by its own generation).
 - `*_gen_tokens_per_s`: completion tokens generated per second of the running loop (from the first
   batch's start to the last step's end; TRL: less the saving time).
 - `*_start_s`: the clock at the end of step 1 (start-up plus one step).
-- `*_curve`: [step, clock_s, held-out score] per evaluated step.
+- `*_curves`: per run, [step, clock_s, held-out score] per evaluated step. Steps and tokens to
+  the target are one value when the runs agree, else one per run; tokens/s and start are means.
 - `dtypes`: the compute dtype of our trainer and sampler and of TRL's arm.
 - generation-heavy only, a third arm: ours again with L2 replay on (`REPLAY`), printed as
   `ours_replay_*` with `replay_tokens_ratio` and `replay_time_ratio` (replay / no replay: < 1 is
   fewer generated tokens, resp. less time, to the target) and `ours_replay_reuse_rate`.
-- `*_cpu_s`: CPU seconds the arm's processes used (ours: with finalize's evaluations), and the
+- from each arm's first run: `ours_wall_s`, `ours_overlap_ratio`, the busy times, the replay
+  arm's reuse rate, and `*_cpu_s`: CPU seconds the arm's processes used (ours: with finalize's evaluations), and the
   1-minute load average after each arm: on a shared machine, what the other work took.
 """
 
@@ -89,6 +99,8 @@ def parse_args(argv=None):
     p.add_argument("--peer-python", default=str(ROOT / ".venv-peer" / "bin" / "python"))
     p.add_argument("--threads", type=int, default=2, help="cores per arm")
     p.add_argument("--peer-bf16", action="store_true", help="TRL's arm in bf16 mixed precision (default: float32)")
+    p.add_argument("--repeats", type=int, default=2,
+                   help="runs per arm, in palindromic order (ours, trl, trl, ours): times to the target are their means")
     p.add_argument("--work-dir", default=None, help="where runs go (default: a temporary folder, removed)")
     return p.parse_args(argv)
 
@@ -98,6 +110,7 @@ def regime_settings(name: str, args) -> dict:
     if args.smoke:
         s.update(SMOKE[name])
         args.eval_size = min(args.eval_size, 64)
+        args.repeats = 1
     for key in ("steps", "eval_every", "target"):
         if getattr(args, key) is not None:
             s[key] = getattr(args, key)
@@ -258,32 +271,52 @@ def trl_figures(trl: dict, curve: list[list], target: float) -> dict:
             "start_s": round(first["time/end"] - trl["t0"] - first["excluded_s"], 2)}
 
 
+def arm_order(arms: list[str], repeats: int) -> list[str]:
+    """The arms forwards, then backwards, and so on: a palindrome for an even `repeats`, so that a
+    machine whose speed drifts over the bench (20-30% over minutes here) weighs on every arm alike."""
+    return [a for r in range(repeats) for a in (arms if r % 2 == 0 else arms[::-1])]
+
+
+def mean(values: list):
+    return round(sum(values) / len(values), 2) if values and None not in values else None
+
+
 def run_regime(name: str, args, work: Path) -> dict:
     from pipeline.orchestration import resolve_sources
 
     s = regime_settings(name, args)
     src = resolve_sources(s["cfg"])  # builds the task's model and prompts (rlhf init-example), off the clocks
-    for arm in ("ours", "replay", "trl"):
-        shutil.rmtree(work / f"{name}-{arm}", ignore_errors=True)
+    arms = ["ours", *(["replay"] if s.get("replay_arm") else []), "trl"]
+    runs: dict[str, list[tuple[dict, Path]]] = {a: [] for a in arms}
     warm_up(args.peer_python)
     t_bench = time.time()
-    ours = run_ours(s, work / f"{name}-ours", args.threads)
-    replay = run_ours(s, work / f"{name}-replay", args.threads, replay_overrides(s)) if s.get("replay_arm") else None
-    trl = run_trl(s, src["model"], src["train"], work / f"{name}-trl", args.peer_python, args.threads, args.peer_bf16)
-    ev = Evaluator(s["cfg"], str(work / f"{name}-ours" / "data" / "eval.parquet"), args.threads)
+    for arm in arm_order(arms, args.repeats):
+        out = work / f"{name}-{arm}-{len(runs[arm])}"
+        shutil.rmtree(out, ignore_errors=True)
+        if arm == "trl":
+            r = run_trl(s, src["model"], src["train"], out, args.peer_python, args.threads, args.peer_bf16)
+        else:
+            r = run_ours(s, out, args.threads, replay_overrides(s) if arm == "replay" else ())
+        runs[arm].append((r, out))
+    ev = Evaluator(s["cfg"], str(runs["ours"][0][1] / "data" / "eval.parquet"), args.threads)
     try:
-        oc, tc = ours_curve(ours, s, ev), trl_curve(trl, s, work / f"{name}-trl", ev)
-        rc = ours_curve(replay, s, ev) if replay else None
+        curves = {a: [trl_curve(r, s, out, ev) if a == "trl" else ours_curve(r, s, ev) for r, out in runs[a]]
+                  for a in arms}
     finally:
         ev.close()
-    o, t = ours_figures(ours, oc, s["target"]), trl_figures(trl, tc, s["target"])
+    figs = {a: [(trl_figures if a == "trl" else ours_figures)(r, c, s["target"]) for (r, _), c in zip(runs[a], curves[a])]
+            for a in arms}
+    o, t = merged(figs["ours"]), merged(figs["trl"])
+    ours, trl = runs["ours"][0][0], runs["trl"][0][0]
     summ = ours["summary"]
     return {"regime": name, "target": s["target"], "steps": s["steps"], "eval_every": s["eval_every"],
             "eval_prompts": len(ev.prompts), "max_new_tokens": s["cfg"].sampler.max_new_tokens,
             "dtypes": {"ours_trainer": s["cfg"].trainer.dtype or s["cfg"].model.dtype, "ours_sampler": s["cfg"].model.dtype,
                        "trl": "bfloat16" if args.peer_bf16 else "float32"},
+            "order": arm_order(arms, args.repeats),
             "trl_time_to_target_s": t["time_to_target_s"], "ours_time_to_target_s": o["time_to_target_s"],
             "ratio_time_to_target": ratio(o["time_to_target_s"], t["time_to_target_s"]),
+            "trl_time_to_target_runs_s": t["runs_s"], "ours_time_to_target_runs_s": o["runs_s"],
             "trl_gen_tokens_per_s": t["gen_tokens_per_s"], "ours_gen_tokens_per_s": o["gen_tokens_per_s"],
             "ours_tokens_to_target": o["tokens_to_target"], "trl_tokens_to_target": t["tokens_to_target"],
             "ours_step_to_target": o["step_to_target"], "trl_step_to_target": t["step_to_target"],
@@ -292,9 +325,25 @@ def run_regime(name: str, args, work: Path) -> dict:
             "ours_sampler_busy_s": summ.get("sampler_busy_s"), "ours_trainer_busy_s": summ.get("trainer_busy_s"),
             "ours_cpu_s": round(ours["cpu_s"], 1), "trl_cpu_s": round(trl["cpu_s"], 1),
             "load_avg_after_ours": round(ours["load"], 2), "load_avg_after_trl": round(trl["load"], 2),
-            "ours_curve": oc, "trl_curve": tc, **(replay_figures(replay, rc, o, s) if replay else {}),
+            "ours_curves": curves["ours"], "trl_curves": curves["trl"],
+            **(replay_figures(runs["replay"], curves["replay"], figs["replay"], o, s) if "replay" in runs else {}),
             "bench_s": round(time.time() - t_bench, 1),
 }
+
+
+def merged(figs: list[dict]) -> dict:
+    """An arm's runs as one: the mean time to the target (null unless every run reached it), its
+    mean tokens per second and start, the step and tokens of each run (one value when they agree:
+    seeded runs follow the same curve)."""
+    def one(key):
+        values = [f[key] for f in figs]
+        return values[0] if len(set(values)) == 1 else values
+
+    return {"time_to_target_s": mean([f["time_to_target_s"] for f in figs]),
+            "runs_s": [f["time_to_target_s"] for f in figs],
+            "gen_tokens_per_s": mean([f["gen_tokens_per_s"] for f in figs]),
+            "start_s": mean([f["start_s"] for f in figs]),
+            "step_to_target": one("step_to_target"), "tokens_to_target": one("tokens_to_target")}
 
 
 def replay_overrides(s: dict) -> tuple[str, ...]:
@@ -306,20 +355,21 @@ def ratio(a, b):
     return round(a / b, 3) if a and b else None
 
 
-def replay_figures(replay: dict, curve: list[list], ours: dict, s: dict) -> dict:
+def replay_figures(runs: list, curves: list, figs: list[dict], ours: dict, s: dict) -> dict:
     """The replay arm beside ours without replay: `replay_tokens_ratio` < 1 is fewer generated
     tokens to the target, `replay_time_ratio` <= 1 equal or better wall time."""
-    r = ours_figures(replay, curve, s["target"])
-    summ = replay["summary"]
+    r = merged(figs)
+    summ = runs[0][0]["summary"]
+    tokens = r["tokens_to_target"], ours["tokens_to_target"]
     return {"replay_settings": list(replay_overrides(s)),
-            "ours_replay_time_to_target_s": r["time_to_target_s"], "ours_replay_tokens_to_target": r["tokens_to_target"],
-            "ours_replay_step_to_target": r["step_to_target"],
-            "replay_tokens_ratio": ratio(r["tokens_to_target"], ours["tokens_to_target"]),
+            "ours_replay_time_to_target_s": r["time_to_target_s"], "ours_replay_time_to_target_runs_s": r["runs_s"],
+            "ours_replay_tokens_to_target": r["tokens_to_target"], "ours_replay_step_to_target": r["step_to_target"],
+            "replay_tokens_ratio": ratio(*tokens) if all(isinstance(n, int) for n in tokens) else None,
             "replay_time_ratio": ratio(r["time_to_target_s"], ours["time_to_target_s"]),
             "ours_replay_wall_s": summ.get("wall_s"), "ours_replay_trainer_busy_s": summ.get("trainer_busy_s"),
             "ours_replay_sampler_busy_s": summ.get("sampler_busy_s"),
             "ours_replay_reuse_rate": round(summ["samples_trained"] / max(summ["samples_generated"], 1), 3),
-            "ours_replay_curve": curve}
+            "ours_replay_curves": curves}
 
 
 def main(argv=None) -> int:

@@ -195,7 +195,7 @@ class TrainerConfig(_Section):
     replay_epochs: int = Field(0, ge=0)
     """Replay passes over L2, spread evenly over the fresh steps; each waits for its replay gate marker."""
     replay_yield: bool = False
-    """A replay epoch gives way to fresh data: it ends before any update once the next fresh step's groups have arrived (and after the last fresh step, which has none to wait for), and an update under way (with update_epochs 1: a later epoch would follow an optimizer step already taken) stops, unapplied and uncounted, before its next micro-batch, so replay fills only time the trainer would spend waiting for the sampler: free when the sampler is the bottleneck, none when the trainer is. Which updates run then depends on timing; off, every epoch makes all its draws."""
+    """A replay epoch gives way to fresh data: it ends before any update once the next fresh step's groups have arrived or are due before the update would end (`pipeline.trainer.feed.ReplayPace`), and after the last fresh step, which has none to wait for; an update under way when they come anyway (with update_epochs 1: a later epoch would follow an optimizer step already taken) stops, unapplied and uncounted, before its next micro-batch, so replay fills only time the trainer would spend waiting for the sampler: free when the sampler is the bottleneck, none when the trainer is. Which updates run then depends on timing; off, every epoch makes all its draws."""
     checkpoint_every: int = Field(0, ge=0)
     """Extra checkpoints every N fresh steps (0: only at phase ends)."""
     keep_checkpoints: int = Field(2, gt=0)
