@@ -66,9 +66,9 @@ class _Wait:
         if self.signal is None:
             time.sleep(pause)
         elif self.signal.event.wait(pause):
+            self.signal.event.clear()  # before reading `stopped`: a stop set after it wakes the next sleep
             if self.signal.stopped:
                 raise _Cancelled()
-            self.signal.event.clear()
             self.t0 = time.monotonic()
 
 
