@@ -53,8 +53,9 @@ Printed per regime:
   `ours_replay_*` with `replay_tokens_ratio` and `replay_time_ratio` (replay / no replay: < 1 is
   fewer generated tokens, resp. less time, to the target) and `ours_replay_reuse_rate`.
 - from each arm's first run: `ours_wall_s`, `ours_overlap_ratio`, the busy times, the replay
-  arm's reuse rate, and `*_cpu_s`: CPU seconds the arm's processes used (ours: with finalize's evaluations), and the
-  1-minute load average after each arm: on a shared machine, what the other work took.
+  arm's reuse rate, and `*_cpu_s`: CPU seconds the arm's processes used (ours: with finalize's
+  evaluations), and the 1-minute load average after each arm: on a shared machine, what the
+  other work took.
 """
 
 from __future__ import annotations
@@ -290,7 +291,8 @@ def run_regime(name: str, args, work: Path) -> dict:
     runs: dict[str, list[tuple[dict, Path]]] = {a: [] for a in arms}
     warm_up(args.peer_python)
     t_bench = time.time()
-    for arm in arm_order(arms, args.repeats):
+    order = arm_order(arms, args.repeats)
+    for arm in order:
         out = work / f"{name}-{arm}-{len(runs[arm])}"
         shutil.rmtree(out, ignore_errors=True)
         if arm == "trl":
@@ -313,7 +315,7 @@ def run_regime(name: str, args, work: Path) -> dict:
             "eval_prompts": len(ev.prompts), "max_new_tokens": s["cfg"].sampler.max_new_tokens,
             "dtypes": {"ours_trainer": s["cfg"].trainer.dtype or s["cfg"].model.dtype, "ours_sampler": s["cfg"].model.dtype,
                        "trl": "bfloat16" if args.peer_bf16 else "float32"},
-            "order": arm_order(arms, args.repeats),
+            "order": order,
             "trl_time_to_target_s": t["time_to_target_s"], "ours_time_to_target_s": o["time_to_target_s"],
             "ratio_time_to_target": ratio(o["time_to_target_s"], t["time_to_target_s"]),
             "trl_time_to_target_runs_s": t["runs_s"], "ours_time_to_target_runs_s": o["runs_s"],
