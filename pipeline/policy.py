@@ -72,6 +72,7 @@ class PolicyStore:
         self._hinted: int | None = None  # publisher: the version its last latest.json named
         self._uploads = None  # publisher on an object store: pipeline.policy_upload.Uploads
         self._leased: set[str] = set()  # holders whose lease this store wrote and did not remove
+        self._meta: tuple[tuple, tempfile.TemporaryDirectory] | None = None  # see _rendered_meta
 
     def _dir(self, version: int) -> str:
         return self.run.path("policy", version_dirname(version))
@@ -139,11 +140,10 @@ class PolicyStore:
             return False
         from .weights import write_hf_folder
 
+        rendered = self._rendered_meta(model, tokenizer)
         with tempfile.TemporaryDirectory(prefix="policy-") as tmp:
             folder = os.path.join(tmp, "model")
-            write_hf_folder(folder, config=model.config, tokenizer=tokenizer,
-                            generation_config=getattr(model, "generation_config", None),
-                            weights=model.state_dict() if weights is None else weights)
+            write_hf_folder(folder, weights=model.state_dict() if weights is None else weights, meta_from=rendered)
             if is_local(self.fs):
                 return self._publish(version, folder, meta)
             if self._uploads is None:
@@ -151,6 +151,22 @@ class PolicyStore:
 
                 self._uploads = Uploads(self)
             return self._uploads.publish(version, folder, meta, tmp, defer)
+
+    def _rendered_meta(self, model, tokenizer) -> str:
+        """A local folder with `model`'s config and generation config and `tokenizer`, rendered once
+        for the objects this store publishes with: they do not change while a trainer trains, and
+        rendering them was most of a small model's publication, on the trainer's publication thread
+        (time its training step then waits for the interpreter lock)."""
+        from .weights import write_hf_folder
+
+        key = (model.config, getattr(model, "generation_config", None), tokenizer)
+        if self._meta is None or any(a is not b for a, b in zip(self._meta[0], key)):
+            tmp = tempfile.TemporaryDirectory(prefix="policy-meta-")
+            write_hf_folder(os.path.join(tmp.name, "meta"), config=key[0], generation_config=key[1], tokenizer=key[2])
+            if self._meta is not None:
+                self._meta[1].cleanup()
+            self._meta = (key, tmp)
+        return os.path.join(self._meta[1].name, "meta")
 
     def publish_checkpoint(self, version: int, checkpoint_url: str) -> PolicyPublication:
         """Publish the trainer checkpoint at `checkpoint_url` as `version` and verify every file of

@@ -43,12 +43,14 @@ def load_state_dict(folder: str) -> dict[str, torch.Tensor]:
     return sd
 
 
-def write_hf_folder(folder: str, *, config, tokenizer=None, generation_config=None,
-                    weights: dict[str, torch.Tensor] | None = None) -> list[str]:
+def write_hf_folder(folder: str, *, config=None, tokenizer=None, generation_config=None,
+                    weights: dict[str, torch.Tensor] | None = None, meta_from: str | None = None) -> list[str]:
     """Write a Hugging Face model folder on local disk: `config` (a transformers config), the
     generation config and the tokenizer when given, and with `weights` ({name: tensor}) one
-    `model.safetensors`; a model defined by code in its folder gets that code too. Returns the
-    names of the files written.
+    `model.safetensors`; a model defined by code in its folder gets that code too. With
+    `meta_from`, a folder this function wrote without weights, its files stand for config,
+    generation config and tokenizer (copied, not rendered again). Returns the names of the files
+    written.
 
     The folder appears whole or not at all: it is written beside `folder` and renamed into place,
     so `folder` must not exist or be empty. Tensors that share memory (tied embeddings) are each
@@ -60,12 +62,15 @@ def write_hf_folder(folder: str, *, config, tokenizer=None, generation_config=No
     tmp = os.path.join(parent, f".{os.path.basename(folder)}.tmp-{uuid.uuid4().hex}")
     os.mkdir(tmp)
     try:
-        config.save_pretrained(tmp)
-        _copy_shipped_code(config, tmp)
-        if generation_config is not None:
-            generation_config.save_pretrained(tmp)
-        if tokenizer is not None:
-            tokenizer.save_pretrained(tmp)
+        if meta_from is not None:
+            shutil.copytree(meta_from, tmp, dirs_exist_ok=True)
+        else:
+            config.save_pretrained(tmp)
+            _copy_shipped_code(config, tmp)
+            if generation_config is not None:
+                generation_config.save_pretrained(tmp)
+            if tokenizer is not None:
+                tokenizer.save_pretrained(tmp)
         if weights is not None:
             save_file(_own_memory(weights), os.path.join(tmp, HF_SINGLE), metadata={"format": "pt"})
         names = sorted(os.listdir(tmp))

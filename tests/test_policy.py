@@ -350,3 +350,28 @@ def test_in_phase_versions_on_object_stores_upload_only_their_weights_and_downlo
     restored, original = load_model(path, "float32").state_dict(), load_model(model_dir, "float32").state_dict()
     assert restored.keys() == original.keys() and all(torch.equal(restored[k], original[k]) for k in original)
     assert publisher.verify(2).files == len(m["files"])
+
+
+def test_a_publisher_renders_config_and_tokenizer_once_for_the_model_it_publishes(model_dir, tmp_path, monkeypatch):
+    """The meta files of in-phase versions are rendered once per (config, generation config,
+    tokenizer) and copied after: every version holds the same files, and another tokenizer object
+    is rendered afresh."""
+    from pipeline.models import load_model, load_tokenizer
+
+    store = _store(f"file://{tmp_path}/run-1")
+    store.publish_folder(0, model_dir)
+    model, tok = load_model(model_dir, "float32"), load_tokenizer(model_dir)
+    saves: Counter = Counter()
+    for cls, name in ((type(model.config), "config"), (type(tok), "tokenizer")):
+        real = cls.save_pretrained
+        monkeypatch.setattr(cls, "save_pretrained", lambda self, *a, _r=real, _n=name, **kw:
+                            saves.update([_n]) or _r(self, *a, **kw))
+    for v in (1, 2, 3):
+        assert store.publish_model(v, model, tok, {"step": v})
+    assert saves == Counter(config=1, tokenizer=1), saves  # once, for three versions
+    files = [{n: (Path(store.local_dir(v)) / n).read_bytes() for n in store.manifest(v)["files"] if n != "model.safetensors"}
+             for v in (1, 3)]
+    assert files[0] == files[1] and {"config.json", "tokenizer.json"} <= set(files[0])
+    assert store.publish_model(4, model, load_tokenizer(model_dir), {"step": 4})
+    assert saves == Counter(config=2, tokenizer=2), saves
+    assert load_tokenizer(store.local_dir(4))("digits 1 2 :")["input_ids"] == tok("digits 1 2 :")["input_ids"]

@@ -109,3 +109,34 @@ def test_the_deferred_hint_goes_out_once_the_thread_is_idle_and_at_the_end(reten
     assert store.flushes and store.flushes[-1] == 1  # idle after v1: its hint is not left waiting
     pub.close()
     assert store.flushes[-1] == 1 and len(store.published) == 1
+
+
+def test_in_one_process_the_thread_gets_a_copy_of_every_weight(tmp_path):
+    """`publish_policy` without ranks reads the module's own weights (no gathering) and hands the
+    thread copies: the next optimizer step, in place, must not change a version being written."""
+    import torch
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    from pipeline.rundir import RunDir
+    from pipeline.trainer.distributed import World
+    from pipeline.trainer.publish import publish_policy
+
+    class Capture:
+        def submit(self, version, model, tokenizer, meta, weights):
+            self.version, self.weights = version, weights
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Embedding(5, 4), torch.nn.Linear(4, 5))
+    model[1].weight = model[0].weight  # tied, as the built-in models' embeddings and LM head are
+    model.register_buffer("steps", torch.tensor(3))
+    actor = type("Actor", (), {"policy": model})()
+    want = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    cap = Capture()
+    assert publish_policy(RunDir(f"file://{tmp_path}"), 7, actor, None, World(), dtype=torch.float32, publisher=cap)
+    assert cap.version == 7 and sorted(cap.weights) == sorted(want)
+    assert all(torch.equal(cap.weights[k], v) for k, v in want.items())
+    before = {k: v.clone() for k, v in cap.weights.items()}
+    with torch.no_grad():
+        model[0].weight.add_(1.0)
+        model[1].bias.add_(1.0)
+    assert all(torch.equal(cap.weights[k], before[k]) for k in before)
