@@ -3,7 +3,7 @@
     make peer                                   # builds .venv-peer (requirements/peer.txt), runs both regimes
     .venv/bin/python bench/peer.py [--regimes demo,generation-heavy] [--smoke] [--steps N]
         [--eval-every K] [--eval-size N] [--target X] [--peer-python .venv-peer/bin/python] [--peer-bf16]
-        [--repeats R]
+        [--repeats R] [--seed S]
 
 Each regime runs the arms one after the other, each with both cores (ours: sampler and trainer,
 one thread each; TRL: one process, two threads), `--repeats` times each (default 2; 1 with
@@ -102,6 +102,7 @@ def parse_args(argv=None):
     p.add_argument("--peer-bf16", action="store_true", help="TRL's arm in bf16 mixed precision (default: float32)")
     p.add_argument("--repeats", type=int, default=2,
                    help="runs per arm, in palindromic order (ours, trl, trl, ours): times to the target are their means")
+    p.add_argument("--seed", type=int, default=None, help="the run's seed: built-in model, prompts, sampling (default: the config's)")
     p.add_argument("--work-dir", default=None, help="where runs go (default: a temporary folder, removed)")
     return p.parse_args(argv)
 
@@ -117,7 +118,8 @@ def regime_settings(name: str, args) -> dict:
             s[key] = getattr(args, key)
     from pipeline.config import load_config
 
-    s["cfg"] = load_config(str(ROOT / s["config"]), overrides(s, args.eval_size))
+    seed = [f"seed={args.seed}"] if args.seed is not None else []
+    s["cfg"] = load_config(str(ROOT / s["config"]), overrides(s, args.eval_size) + seed)
     return s
 
 
@@ -311,7 +313,7 @@ def run_regime(name: str, args, work: Path) -> dict:
     o, t = merged(figs["ours"]), merged(figs["trl"])
     ours, trl = runs["ours"][0][0], runs["trl"][0][0]
     summ = ours["summary"]
-    return {"regime": name, "target": s["target"], "steps": s["steps"], "eval_every": s["eval_every"],
+    return {"regime": name, "seed": s["cfg"].seed, "target": s["target"], "steps": s["steps"], "eval_every": s["eval_every"],
             "eval_prompts": len(ev.prompts), "max_new_tokens": s["cfg"].sampler.max_new_tokens,
             "dtypes": {"ours_trainer": s["cfg"].trainer.dtype or s["cfg"].model.dtype, "ours_sampler": s["cfg"].model.dtype,
                        "trl": "bfloat16" if args.peer_bf16 else "float32"},

@@ -55,6 +55,8 @@ def write_hf_folder(folder: str, *, config=None, tokenizer=None, generation_conf
     The folder appears whole or not at all: it is written beside `folder` and renamed into place,
     so `folder` must not exist or be empty. Tensors that share memory (tied embeddings) are each
     written under their own name, as a trainer checkpoint holds them."""
+    if config is None and meta_from is None:
+        raise ValueError("write_hf_folder needs a config, or meta_from: a folder holding one")
     parent = os.path.dirname(os.path.abspath(folder))
     os.makedirs(parent, exist_ok=True)
     # a name `storage.is_temporary` knows (what a killed writer leaves is no one's data), made with
