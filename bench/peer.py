@@ -118,14 +118,15 @@ def regime_settings(name: str, args) -> dict:
             s[key] = getattr(args, key)
     from pipeline.config import load_config
 
-    seed = [f"seed={args.seed}"] if args.seed is not None else []
-    s["cfg"] = load_config(str(ROOT / s["config"]), overrides(s, args.eval_size) + seed)
+    if args.seed is not None:
+        s["seed"] = args.seed
+    s["cfg"] = load_config(str(ROOT / s["config"]), overrides(s, args.eval_size))
     return s
 
 
 def overrides(s: dict, eval_size: int) -> list[str]:
     return [f"trainer.steps={s['steps']}", f"trainer.keep_policy_versions={s['steps'] + 1}",
-            f"data.eval_size={eval_size}"]
+            f"data.eval_size={eval_size}", *([f"seed={s['seed']}"] if "seed" in s else [])]
 
 
 # the arms -----------------------------------------------------------------------------------------
