@@ -9,7 +9,7 @@ from pipeline.trainer.batch import collate
 from pipeline.trainer.critic import ActorCritic
 from pipeline.trainer.distributed import World
 from pipeline.trainer.loop import build_models
-from pipeline.trainer.precision import Precision
+from pipeline.trainer.precision import Precision, compute_module
 from pipeline.trainer.step import train_step
 
 REWARDS = [1.0, 0.0, 0.5, 0.0, 1.0, 1.0, 0.0, 0.2]
@@ -33,7 +33,8 @@ def test_bf16_run_keeps_fp32_master_weights_that_move_at_lr_1e6(digit_example):
     assert {p.dtype for p in actor.policy.parameters()} == {torch.float32}
     batch = collate(rollout_table(tok, REWARDS), tok.pad_token_id)
     seen = {}
-    hook = actor.policy.model.layers[0].mlp.register_forward_hook(lambda m, i, o: seen.update(mlp=o.dtype))
+    hook = compute_module(actor.policy).model.layers[0].mlp.register_forward_hook(
+        lambda m, i, o: seen.update(mlp=o.dtype))
     with torch.no_grad():
         logits = actor.policy(input_ids=batch.input_ids[:1]).logits
     hook.remove()
@@ -45,6 +46,40 @@ def test_bf16_run_keeps_fp32_master_weights_that_move_at_lr_1e6(digit_example):
     moved = [k for k, v in actor.policy.named_parameters() if not torch.equal(v, before[k])]
     assert set(moved) == set(before)
     assert {s["exp_avg"].dtype for s in opt.state.values()} == {torch.float32}
+    assert set(actor.policy.state_dict()) == set(load_model(f"{digit_example}/model", "float32").state_dict())
+
+
+def test_on_cpu_the_bf16_copy_follows_its_master_and_accumulates_gradients_in_fp32(digit_example):
+    """The compute copy (pipeline.trainer.precision): a change of the float32 weights (an optimizer
+    step, a checkpoint loaded) reaches the next forward pass, and two micro-batches' gradients add
+    up in float32 on the master, as one pass over both would give them."""
+    cfg, actor, opt, precision, tok = _setup(digit_example, "bfloat16", 1e-3)
+    policy, twin = actor.policy, compute_module(actor.policy)
+    assert twin is not policy and {p.dtype for p in twin.model.parameters()} == {torch.bfloat16}
+    ids = collate(rollout_table(tok, REWARDS), tok.pad_token_id).input_ids
+    with torch.no_grad():
+        before = policy(input_ids=ids).logits
+        policy.model.norm.weight.mul_(0.5)  # a copied weight, changed in place
+        halved = policy(input_ids=ids).logits
+        policy.lm_head.weight.mul_(2.0)  # the head computes on the master's own weights
+        doubled = policy(input_ids=ids).logits
+    assert torch.equal(twin.model.norm.weight, policy.model.norm.weight.to(torch.bfloat16))
+    assert torch.allclose(halved, before * 0.5, atol=1e-5) and torch.allclose(doubled, before, atol=1e-5)
+    policy.load_state_dict(load_model(f"{digit_example}/model", "float32").state_dict())
+    with torch.no_grad():
+        assert torch.allclose(policy(input_ids=ids).logits, before)
+
+    def grads(*parts):
+        policy.zero_grad(set_to_none=True)
+        for rows in parts:
+            policy(input_ids=ids[rows]).logits.float().logsumexp(-1).sum().backward()
+        assert all(p.grad is None for p in twin.model.parameters())  # moved to the master as they came
+        return {k: p.grad.clone() for k, p in policy.named_parameters()}
+
+    split, whole = grads(slice(0, 4), slice(4, None)), grads(slice(None))
+    assert {g.dtype for g in split.values()} == {torch.float32} and set(split) == set(whole)
+    for k in whole:
+        assert torch.allclose(split[k], whole[k], rtol=0.05, atol=1e-2 * whole[k].abs().max().item()), k
 
 
 def test_the_same_update_on_bf16_parameters_rounds_away(digit_example):
