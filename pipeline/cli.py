@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import gc
 import importlib
 import importlib.util
 import json
@@ -69,6 +70,7 @@ def _engine(args, module: str, name: str):
     """The engine's entry point, loaded; with --after-prepare, once the run is prepared. None:
     stopped before that, which is how the local runner ends the engines of a run it could not
     prepare (nothing to report)."""
+    gc.disable()  # for the start-up: see pipeline.devices.engine_loaded, which resumes it
     try:
         entry = getattr(importlib.import_module(module, __package__), name)
         if args.after_prepare:

@@ -86,3 +86,26 @@ def test_airflow_operators_give_each_role_its_devices(monkeypatch, tmp_path):
     assert seen == {"sampler": "4,5", "trainer": "6,7", "finalize": "6,7"}
     trainer = RlhfProcessOperator(task_id="t", role="trainer", run_url=run.url).build_command({})
     assert "--nproc-per-node=2" in trainer
+
+
+def test_an_engine_loads_with_the_collector_off_then_freezes_what_it_loaded(tmp_path):
+    """`rlhf sampler|trainer` start with the cyclic collector off (pipeline.cli); `engine_loaded`
+    freezes what start-up left alive and turns it back on, so that the loop's garbage is still
+    collected. Run in a fresh interpreter: the test process's own collector stays as it is."""
+    import subprocess
+
+    code = """
+import argparse, gc
+from pipeline import cli
+loaded = cli._engine(argparse.Namespace(after_prepare=False), ".devices", "engine_loaded")
+assert not gc.isenabled()
+libraries = [{"k": [i]} for i in range(50_000)]   # what start-up keeps
+assert gc.get_freeze_count() == 0
+loaded()
+assert gc.isenabled() and gc.get_freeze_count() >= len(libraries)
+cycle = []; cycle.append(cycle); del cycle         # garbage of the loop
+assert gc.collect() >= 1
+print("ok")
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr

@@ -33,7 +33,7 @@ from ..buffer import ReplayBuffer, bounds_consumer_progress
 from ..buffer.schema import content_hash, to_table
 from ..config import validate_name
 from ..data import PromptRow, filter_overlong, load_prompts
-from ..devices import set_threads
+from ..devices import engine_loaded, set_threads
 from ..models import load_tokenizer, render_prompt
 from ..policy import PolicyStore
 from ..rundir import RunDir
@@ -382,4 +382,6 @@ class Sampler:
 
 def run_sampler(run_url: str, sampler_id: str = "sampler-0") -> dict:
     """The sampler process: runs until the stop marker or the trainer's done marker appears."""
-    return Sampler(run_url, sampler_id).run_until_stopped()
+    sampler = Sampler(run_url, sampler_id)
+    engine_loaded()
+    return sampler.run_until_stopped()

@@ -29,7 +29,7 @@ import time
 import torch
 
 from ..buffer import ReplayBuffer
-from ..devices import set_threads
+from ..devices import engine_loaded, set_threads
 from ..lineage import LineageWriter, NullLineage
 from ..metrics import NullMetrics
 from ..models import load_model, load_tokenizer
@@ -354,6 +354,8 @@ class Trainer:
 def run_trainer(run_url: str) -> dict:
     world = init_world()
     try:
-        return Trainer(RunDir(run_url), world).run_loop()
+        trainer = Trainer(RunDir(run_url), world)
+        engine_loaded()
+        return trainer.run_loop()
     finally:
         world.close()
