@@ -20,6 +20,7 @@ from ..buffer import ReplayBuffer, bounds_consumer_progress
 from ..rundir import RunDir
 
 MARK_EVERY_S = 2.0
+BLOCKED_STEADY_S = 10.0  # see _Wait
 
 
 class TrainerStopped(Exception):
@@ -35,19 +36,25 @@ class _Cancelled(Exception):
 
 
 class _Wait:
-    """The pace of a trainer's wait: it polls every `poll_s` at first, then every quarter of the
-    time waited so far, up to `RunDir.STOP_CHECK_S` (a new batch is picked up at most a quarter
-    later than it would be otherwise; an idle wait costs few requests), and looks for the stop
-    marker at most every `RunDir.STOP_CHECK_S` and before it times out. With `signal` (a read
-    ahead's), a sleep ends when it is set: it raises `_Cancelled` if the read was given up, and
-    otherwise (the trainer has begun to wait for it) polls at once and paces its polls from then.
-    `steady`: it polls every `poll_s` throughout (a wait whose end is wanted at once even when it
-    is long)."""
+    """The pace of a trainer's wait. While the trainer is blocked on it, it polls every `poll_s`
+    for the first `BLOCKED_STEADY_S`; a read ahead not waited for yet starts backing off at once.
+    Backing off, it polls every quarter of the time waited so far, up to `RunDir.STOP_CHECK_S` (a
+    new batch is picked up at most a quarter later than it would be otherwise; an idle wait costs
+    few requests). It looks for the stop marker at most every `RunDir.STOP_CHECK_S` and before it
+    times out. With `signal` (a read ahead's), a sleep ends when it is set: it raises `_Cancelled`
+    if the read was given up, and otherwise (the trainer has begun to wait for it) polls at once
+    and paces its polls from then, as a blocked wait. `steady`: it polls every `poll_s` throughout
+    (a wait whose end is wanted at once even when it is long).
+
+    The steady start is for the waits the whole run waits on: the first, while the sampler starts
+    (1-2.5 s in the demo), backed off to polls 0.3-0.5 s apart and picked the first batch up
+    0.2-0.4 s after its commit."""
 
     def __init__(self, run: RunDir, poll_s: float, timeout_s: float, signal: "_Signal | None" = None,
                  steady: bool = False):
         self.run, self.poll_s, self.timeout_s, self.signal, self.steady = run, poll_s, timeout_s, signal, steady
         self.t0 = self.stop_checked = time.monotonic()  # a step of the wall clock ends no wait
+        self.blocking = signal is None  # the trainer waits for this wait's end
 
     def waited(self) -> float:
         return time.monotonic() - self.t0
@@ -62,14 +69,17 @@ class _Wait:
                 raise TrainerStopped()
         if waited > self.timeout_s:
             raise TimeoutError(timeout_message())
-        pause = self.poll_s if self.steady else max(self.poll_s, min(waited / 4, RunDir.STOP_CHECK_S))
+        if self.steady or (self.blocking and waited < BLOCKED_STEADY_S):
+            pause = self.poll_s
+        else:
+            pause = max(self.poll_s, min(waited / 4, RunDir.STOP_CHECK_S))
         if self.signal is None:
             time.sleep(pause)
         elif self.signal.event.wait(pause):
             self.signal.event.clear()  # before reading `stopped`: a stop set after it wakes the next sleep
             if self.signal.stopped:
                 raise _Cancelled()
-            self.t0 = time.monotonic()
+            self.t0, self.blocking = time.monotonic(), True
 
 
 class _Signal:

@@ -191,3 +191,29 @@ def test_a_read_ahead_backed_off_during_the_step_polls_at_once_when_the_trainer_
     table, _, waited = feed.take(cursor, ahead=False)
     assert groups_of(table) == ["g2", "g3"]
     assert waited < 0.2, waited
+
+
+def test_a_wait_the_trainer_is_blocked_on_polls_at_poll_s_for_its_first_seconds():
+    """The first take of a run waits while the sampler starts: groups committed after 2 s of it
+    are read within a poll or so, not up to a quarter of the wait (0.5 s) later. A read ahead no
+    one waits for yet backs off all the same (few requests while a step trains)."""
+    log, run = Log(), Run()
+    feed = FreshFeed(log, run, groups=2, poll_s=0.01, timeout_s=60)
+    got = {}
+    taker = threading.Thread(target=lambda: got.update(r=feed.take(None, ahead=True)), daemon=True)
+    taker.start()
+    try:
+        time.sleep(2.0)
+        polled = len(log.reads)
+        assert polled > 100  # every 10 ms (backing off, ~25 polls in 2 s)
+        _until(lambda: len(log.reads) > polled)  # it has just polled
+        log.commit(2)
+        t0 = time.time()
+        taker.join(timeout=5)
+        assert time.time() - t0 < 0.15 and groups_of(got["r"][0]) == ["g0", "g1"]
+        time.sleep(1.0)  # the read ahead for the next step: nothing committed, nobody waiting on it
+        assert len(log.reads) - polled < 40, len(log.reads) - polled
+    finally:
+        run.stop = True  # a take still waiting ends at its next stop check
+        taker.join(timeout=5)
+        feed.close()
