@@ -20,7 +20,7 @@ from ..buffer import ReplayBuffer, bounds_consumer_progress
 from ..rundir import RunDir
 
 MARK_EVERY_S = 2.0
-BLOCKED_STEADY_S = 10.0  # see _Wait
+FIRST_TAKE_STEADY_S = 5.0  # see FreshFeed
 
 
 class TrainerStopped(Exception):
@@ -36,25 +36,20 @@ class _Cancelled(Exception):
 
 
 class _Wait:
-    """The pace of a trainer's wait. While the trainer is blocked on it, it polls every `poll_s`
-    for the first `BLOCKED_STEADY_S`; a read ahead not waited for yet starts backing off at once.
-    Backing off, it polls every quarter of the time waited so far, up to `RunDir.STOP_CHECK_S` (a
-    new batch is picked up at most a quarter later than it would be otherwise; an idle wait costs
-    few requests). It looks for the stop marker at most every `RunDir.STOP_CHECK_S` and before it
-    times out. With `signal` (a read ahead's), a sleep ends when it is set: it raises `_Cancelled`
-    if the read was given up, and otherwise (the trainer has begun to wait for it) polls at once
-    and paces its polls from then, as a blocked wait. `steady`: it polls every `poll_s` throughout
-    (a wait whose end is wanted at once even when it is long).
-
-    The steady start is for the waits the whole run waits on: the first, while the sampler starts
-    (1-2.5 s in the demo), backed off to polls 0.3-0.5 s apart and picked the first batch up
-    0.2-0.4 s after its commit."""
+    """The pace of a trainer's wait: it polls every `poll_s` at first, then every quarter of the
+    time waited so far, up to `RunDir.STOP_CHECK_S` (a new batch is picked up at most a quarter
+    later than it would be otherwise; an idle wait costs few requests), and looks for the stop
+    marker at most every `RunDir.STOP_CHECK_S` and before it times out. With `signal` (a read
+    ahead's), a sleep ends when it is set: it raises `_Cancelled` if the read was given up, and
+    otherwise (the trainer has begun to wait for it) polls at once and paces its polls from then.
+    `steady`: it polls every `poll_s` throughout (a wait whose end is wanted at once even when it
+    is long); `steady_s`: for its first `steady_s` seconds."""
 
     def __init__(self, run: RunDir, poll_s: float, timeout_s: float, signal: "_Signal | None" = None,
-                 steady: bool = False):
+                 steady: bool = False, steady_s: float = 0.0):
         self.run, self.poll_s, self.timeout_s, self.signal, self.steady = run, poll_s, timeout_s, signal, steady
+        self.steady_s = steady_s
         self.t0 = self.stop_checked = time.monotonic()  # a step of the wall clock ends no wait
-        self.blocking = signal is None  # the trainer waits for this wait's end
 
     def waited(self) -> float:
         return time.monotonic() - self.t0
@@ -69,7 +64,7 @@ class _Wait:
                 raise TrainerStopped()
         if waited > self.timeout_s:
             raise TimeoutError(timeout_message())
-        if self.steady or (self.blocking and waited < BLOCKED_STEADY_S):
+        if self.steady or waited < self.steady_s:
             pause = self.poll_s
         else:
             pause = max(self.poll_s, min(waited / 4, RunDir.STOP_CHECK_S))
@@ -79,7 +74,7 @@ class _Wait:
             self.signal.event.clear()  # before reading `stopped`: a stop set after it wakes the next sleep
             if self.signal.stopped:
                 raise _Cancelled()
-            self.t0, self.blocking = time.monotonic(), True
+            self.t0 = time.monotonic()
 
 
 class _Signal:
@@ -141,13 +136,15 @@ class ConsumedMarks:
 
 def wait_for_groups(buffer: ReplayBuffer, run: RunDir, cursor: dict | None, groups: int,
                     poll_s: float, timeout_s: float, marks: ConsumedMarks | None = None,
-                    signal: _Signal | None = None, steady: bool = False) -> tuple[pa.Table, dict | None, float]:
+                    signal: _Signal | None = None, steady: bool = False,
+                    steady_s: float = 0.0) -> tuple[pa.Table, dict | None, float]:
     """Read exactly `groups` fresh groups (blocking). Returns (table, new cursor, seconds waited).
     While it waits, `marks` records what was consumed if a sampler may be waiting for that
-    (`ConsumedMarks.waiting`). `steady`: poll every `poll_s` however long it waits (`_Wait`)."""
+    (`ConsumedMarks.waiting`). `steady`: poll every `poll_s` however long it waits, `steady_s`:
+    for that long before backing off (`_Wait`)."""
     parts: list[pa.Table] = []
     have = 0
-    wait = _Wait(run, poll_s, timeout_s, signal, steady)
+    wait = _Wait(run, poll_s, timeout_s, signal, steady, steady_s)
     while have < groups:
         table, cursor = buffer.read_fresh(cursor, groups - have)
         if table.num_rows:
@@ -205,7 +202,12 @@ class FreshFeed:
     was consumed, while it waits. `steady`: the read ahead polls every `poll_s` however long it
     waits, so that `ready` turns true within a poll of the groups' commit (the trainer acts on it
     in the middle of a step: `BorrowedThreads`); otherwise it backs off like any wait until the
-    trainer takes it, and polls at once then (`_Signal`)."""
+    trainer takes it, and polls at once then (`_Signal`).
+
+    The first take of the process polls every `poll_s` for its first `FIRST_TAKE_STEADY_S`: it
+    waits while the sampler starts (1-2.5 s in the demo), and backing off it had polled 0.3-0.5 s
+    apart by then and picked the run's first batch up 0.2-0.4 s after its commit. Once per run (or
+    resume), that is at most `FIRST_TAKE_STEADY_S / poll_s` requests."""
 
     def __init__(self, buffer: ReplayBuffer, run: RunDir, groups: int, poll_s: float, timeout_s: float,
                  marks: ConsumedMarks | None = None, steady: bool = False):
@@ -213,6 +215,7 @@ class FreshFeed:
         self.poll_s, self.timeout_s, self.marks, self.steady = poll_s, timeout_s, marks, steady
         self._ahead: _ReadAhead | None = None
         self._arrivals: deque[float] = deque(maxlen=9)  # when the last steps' reads ended
+        self._first = True
 
     def take(self, cursor: dict | None, ahead: bool) -> tuple[pa.Table, dict | None, float]:
         pending = self._ahead
@@ -221,7 +224,8 @@ class FreshFeed:
             pending = None
         if pending is None:
             table, nxt, waited = wait_for_groups(self.buffer, self.run, cursor, self.groups, self.poll_s,
-                                                 self.timeout_s, self.marks)
+                                                 self.timeout_s, self.marks,
+                                                 steady_s=FIRST_TAKE_STEADY_S if self._first else 0.0)
             self._arrivals.append(time.monotonic())
         else:
             t0 = time.monotonic()
@@ -237,6 +241,7 @@ class FreshFeed:
                 raise pending.error
             table, nxt, _ = pending.result
             self._arrivals.append(pending.ended_at)
+        self._first = False
         if ahead:
             self._ahead = _ReadAhead(self, nxt)
         return table, nxt, waited

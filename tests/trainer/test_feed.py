@@ -193,10 +193,10 @@ def test_a_read_ahead_backed_off_during_the_step_polls_at_once_when_the_trainer_
     assert waited < 0.2, waited
 
 
-def test_a_wait_the_trainer_is_blocked_on_polls_at_poll_s_for_its_first_seconds():
+def test_the_first_take_polls_at_poll_s_for_its_first_seconds():
     """The first take of a run waits while the sampler starts: groups committed after 2 s of it
-    are read within a poll or so, not up to a quarter of the wait (0.5 s) later. A read ahead no
-    one waits for yet backs off all the same (few requests while a step trains)."""
+    are read within a poll or so, not up to a quarter of the wait (0.5 s) later. The read ahead
+    for the next step, which no one waits for yet, backs off (few requests while a step trains)."""
     log, run = Log(), Run()
     feed = FreshFeed(log, run, groups=2, poll_s=0.01, timeout_s=60)
     got = {}
