@@ -10,6 +10,7 @@ nothing on its critical path; on a local disk little either way.
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections import deque
@@ -42,13 +43,12 @@ class _Wait:
     marker at most every `RunDir.STOP_CHECK_S` and before it times out. With `signal` (a read
     ahead's), a sleep ends when it is set: it raises `_Cancelled` if the read was given up, and
     otherwise (the trainer has begun to wait for it) polls at once and paces its polls from then.
-    `steady`: it polls every `poll_s` throughout (a wait whose end is wanted at once even when it
-    is long); `steady_s`: for its first `steady_s` seconds."""
+    `steady_s`: it polls every `poll_s` for its first `steady_s` seconds (`math.inf`: throughout,
+    for a wait whose end is wanted at once even when it is long)."""
 
     def __init__(self, run: RunDir, poll_s: float, timeout_s: float, signal: "_Signal | None" = None,
-                 steady: bool = False, steady_s: float = 0.0):
-        self.run, self.poll_s, self.timeout_s, self.signal, self.steady = run, poll_s, timeout_s, signal, steady
-        self.steady_s = steady_s
+                 steady_s: float = 0.0):
+        self.run, self.poll_s, self.timeout_s, self.signal, self.steady_s = run, poll_s, timeout_s, signal, steady_s
         self.t0 = self.stop_checked = time.monotonic()  # a step of the wall clock ends no wait
 
     def waited(self) -> float:
@@ -64,7 +64,7 @@ class _Wait:
                 raise TrainerStopped()
         if waited > self.timeout_s:
             raise TimeoutError(timeout_message())
-        if self.steady or waited < self.steady_s:
+        if waited < self.steady_s:
             pause = self.poll_s
         else:
             pause = max(self.poll_s, min(waited / 4, RunDir.STOP_CHECK_S))
@@ -136,15 +136,14 @@ class ConsumedMarks:
 
 def wait_for_groups(buffer: ReplayBuffer, run: RunDir, cursor: dict | None, groups: int,
                     poll_s: float, timeout_s: float, marks: ConsumedMarks | None = None,
-                    signal: _Signal | None = None, steady: bool = False,
-                    steady_s: float = 0.0) -> tuple[pa.Table, dict | None, float]:
+                    signal: _Signal | None = None, steady_s: float = 0.0) -> tuple[pa.Table, dict | None, float]:
     """Read exactly `groups` fresh groups (blocking). Returns (table, new cursor, seconds waited).
     While it waits, `marks` records what was consumed if a sampler may be waiting for that
-    (`ConsumedMarks.waiting`). `steady`: poll every `poll_s` however long it waits, `steady_s`:
-    for that long before backing off (`_Wait`)."""
+    (`ConsumedMarks.waiting`). `steady_s`: poll every `poll_s` for that long before backing off
+    (`_Wait`)."""
     parts: list[pa.Table] = []
     have = 0
-    wait = _Wait(run, poll_s, timeout_s, signal, steady, steady_s)
+    wait = _Wait(run, poll_s, timeout_s, signal, steady_s)
     while have < groups:
         table, cursor = buffer.read_fresh(cursor, groups - have)
         if table.num_rows:
@@ -180,7 +179,8 @@ class _ReadAhead:
     def _run(self, feed: FreshFeed) -> None:
         try:
             self.result = wait_for_groups(feed.buffer, feed.run, self.cursor, feed.groups, feed.poll_s,
-                                          feed.timeout_s, signal=self.signal, steady=feed.steady)
+                                          feed.timeout_s, signal=self.signal,
+                                          steady_s=math.inf if feed.steady else 0.0)
         except BaseException as e:  # re-raised by the step that takes it
             self.error = e
         finally:
@@ -214,8 +214,7 @@ class FreshFeed:
         self.buffer, self.run, self.groups = buffer, run, groups
         self.poll_s, self.timeout_s, self.marks, self.steady = poll_s, timeout_s, marks, steady
         self._ahead: _ReadAhead | None = None
-        self._arrivals: deque[float] = deque(maxlen=9)  # when the last steps' reads ended
-        self._first = True
+        self._arrivals: deque[float] = deque(maxlen=9)  # when the last steps' reads ended; empty before the first
 
     def take(self, cursor: dict | None, ahead: bool) -> tuple[pa.Table, dict | None, float]:
         pending = self._ahead
@@ -225,7 +224,7 @@ class FreshFeed:
         if pending is None:
             table, nxt, waited = wait_for_groups(self.buffer, self.run, cursor, self.groups, self.poll_s,
                                                  self.timeout_s, self.marks,
-                                                 steady_s=FIRST_TAKE_STEADY_S if self._first else 0.0)
+                                                 steady_s=0.0 if self._arrivals else FIRST_TAKE_STEADY_S)
             self._arrivals.append(time.monotonic())
         else:
             t0 = time.monotonic()
@@ -241,7 +240,6 @@ class FreshFeed:
                 raise pending.error
             table, nxt, _ = pending.result
             self._arrivals.append(pending.ended_at)
-        self._first = False
         if ahead:
             self._ahead = _ReadAhead(self, nxt)
         return table, nxt, waited
