@@ -59,19 +59,25 @@ class Replicas:
                 if p.poll() is None:
                     stop_group(p.pid, grace_s=10.0)
             return failed[0]
-        for k, rc in codes.items():
-            if rc not in (None, 0) and k not in self.lost and len(self.procs) > 1:
-                self.lost.add(k)
-                log.warning("%s exited with %s; %d sampler(s) still running", k, rc,
-                            sum(c is None for c in codes.values()))
+        self._report(codes)
         if any(rc is None for rc in codes.values()):
             return None
         return self._outcome(list(codes.values()))
 
     def wait(self, timeout: float | None = None) -> int:
         deadline = None if timeout is None else time.monotonic() + timeout
-        return self._outcome([p.wait(timeout=None if deadline is None else max(0.0, deadline - time.monotonic()))
-                              for p in self.procs.values()])
+        codes = {k: p.wait(timeout=None if deadline is None else max(0.0, deadline - time.monotonic()))
+                 for k, p in self.procs.items()}
+        self._report(codes)
+        return self._outcome(list(codes.values()))
+
+    def _report(self, codes: dict[str, int | None]) -> None:
+        """Log each replica that failed, once: the group's outcome can hide it (the others finished)."""
+        for k, rc in codes.items():
+            if rc not in (None, 0) and k not in self.lost and len(self.procs) > 1:
+                self.lost.add(k)
+                log.warning("%s exited with %s; %d of %d still running", k, rc,
+                            sum(c is None for c in codes.values()), len(codes))
 
     def _outcome(self, codes: list[int]) -> int:
         """The group's exit code once every process has ended."""

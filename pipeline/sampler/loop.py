@@ -248,14 +248,16 @@ class Sampler:
                            shard.policy_versions[0]) <= self.cfg.sampler.max_staleness
 
     def _log_dropped(self) -> int:
-        """Record the draws the writer refused since the last call; returns how many it refused in all."""
-        dropped = self.writer.dropped
-        for d in dropped[self._dropped_logged:]:
+        """Record the draws the writer refused since the last call; returns how many it has recorded
+        in all. The writer's commit thread appends to its list meanwhile: what one slice holds is
+        what gets counted (a refusal appended after the slice is recorded by the next call)."""
+        new = self.writer.dropped[self._dropped_logged:]
+        for d in new:
             log.warning("sampler %s: draw %d would have arrived past sampler.max_staleness; dropped",
                         self.sampler_id, d)
             self.metrics.log({"event": "dropped_stale", "sampler/dropped_draw": d})
-        self._dropped_logged = len(dropped)
-        return len(dropped)
+        self._dropped_logged += len(new)
+        return self._dropped_logged
 
     def _groups_ahead(self) -> int:
         """Groups committed to L1 by every writer, and this replica's still in its writer.

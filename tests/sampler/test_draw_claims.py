@@ -179,3 +179,30 @@ def test_a_commit_while_the_groups_ahead_are_counted_is_not_counted_twice(monkey
 
     monkeypatch.setattr(_Buffer, "committed_groups", committing)
     assert s._groups_ahead() == 48 and s.buffer.reads == 2
+
+
+def test_a_refusal_that_lands_while_the_refusals_are_recorded_is_recorded_by_the_next_call():
+    """The writer's commit thread appends to `writer.dropped` while the sampler records it: a draw
+    refused between reading the list and counting it was once counted but never recorded."""
+    from types import SimpleNamespace
+
+    from pipeline.sampler import loop as loop_mod
+
+    class Racing(list):
+        """Another refusal arrives right after the sampler has read the list."""
+
+        def __getitem__(self, i):
+            out = list.__getitem__(self, i)
+            if isinstance(i, slice) and len(self) < 2:
+                self.append(14)
+            return out
+
+    logged = []
+    s = object.__new__(loop_mod.Sampler)
+    s.sampler_id, s._dropped_logged = "sampler-2", 0
+    s.writer = SimpleNamespace(dropped=Racing([1]))
+    s.metrics = SimpleNamespace(log=logged.append)
+    assert s._log_dropped() == 1  # what it recorded, not what the list held by the end
+    assert s._log_dropped() == 2
+    assert [r["sampler/dropped_draw"] for r in logged if r["event"] == "dropped_stale"] == [1, 14]
+    assert s._log_dropped() == 2 and len(logged) == 2
