@@ -35,7 +35,7 @@ import traceback
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 
-from .config import ConfigError
+from .config_yaml import ConfigError  # (not .config: the reward worker starts without pydantic)
 from .rewards import RewardFunction, Score, load_reward_fn, to_score
 
 log = logging.getLogger("rlhf.rewards")

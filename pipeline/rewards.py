@@ -24,7 +24,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
-from .config import ConfigError
+from .config_yaml import ConfigError  # (not .config: the reward worker starts without pydantic)
 from .math_rewards import boxed_math_score, gsm8k_score
 from .builtin_tasks import SCORERS
 

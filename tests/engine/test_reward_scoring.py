@@ -109,6 +109,18 @@ def test_a_reward_file_that_fails_to_import_is_a_config_error(tmp_path):
             scorer.score_batch(_samples("a"))
 
 
+def test_the_reward_worker_loads_without_the_config_layer():
+    """A worker is started with each sampler and again after each timeout: it imports the reward
+    modules only, not pipeline.config and pydantic (twice its start-up time)."""
+    import subprocess
+    import sys
+
+    code = ("import sys, pipeline.reward_worker as w; w.load_reward_fn('digit'); "
+            "print(sorted(m for m in ('pipeline.config', 'pydantic', 'torch') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
 def test_auto_checks_every_data_source_before_sampling():
     check_sources(RewardConfig(), ["builtin/digit", "openai/gsm8k"])
     with pytest.raises(ConfigError, match=r"no built-in reward for data_source 'my/task'; known: "):
