@@ -27,6 +27,7 @@ class TrainBatch:
     group_index: torch.Tensor        # [B] long, index into `group_ids`
     policy_version: torch.Tensor     # [B] long
     sample_weight: torch.Tensor      # [B] float, prioritized-replay importance weight (1 for fresh data)
+    truncated: torch.Tensor          # [B] bool, cut off at the sampler's max_new_tokens (finish_reason "length")
     group_ids: list[str] = field(default_factory=list)  # [G] the buffer's group ids
 
     @property
@@ -92,7 +93,9 @@ def collate(table: pa.Table, pad_id: int, sample_weight=None) -> TrainBatch:
         rewards=torch.tensor(table.column("reward").to_pylist(), dtype=torch.float32),
         group_index=torch.tensor([gid[g] for g in groups], dtype=torch.long),
         policy_version=torch.tensor(table.column("policy_version").to_pylist(), dtype=torch.long),
-        sample_weight=w, group_ids=list(gid),
+        sample_weight=w, truncated=torch.from_numpy(
+            pc.equal(table.column("finish_reason"), "length").to_numpy(zero_copy_only=False).astype(bool)),
+        group_ids=list(gid),
     )
 
 

@@ -26,6 +26,7 @@ import os
 import signal
 import time
 
+import pyarrow as pa
 import torch
 
 from ..buffer import ReplayBuffer
@@ -47,7 +48,7 @@ from .feed import ConsumedMarks, FreshFeed, GaveWay, ReplayPace, TrainerStopped,
 from .phases import phase_end_steps, replay_epoch_steps
 from .publish import BackgroundPublisher, publish_policy
 from .precision import DTYPES, Precision
-from .step import train_step
+from .step import replayable, train_step
 
 log = logging.getLogger("rlhf.trainer")
 FAULT_ENV = "RLHF_TRAINER_KILL_AFTER_STEP"  # fault injection for the resume tests: SIGKILL after step N
@@ -158,7 +159,9 @@ class Trainer:
         st.cursor = (int(cursor["seq"]), int(cursor["group"]))
         if world.is_main:
             if tc.replay_epochs:
-                self.buffer.promote(table, cursor=cursor)  # quality filter -> L2, and the cursor, in one commit
+                keep = replayable(batch, tc)  # groups with rows a replay trains on
+                promote = table if keep is None else table.filter(pa.array(keep.numpy()))
+                self.buffer.promote(promote, cursor=cursor)  # quality filter -> L2, and the cursor, in one commit
                 self.marks.recorded()
             else:
                 self.marks.consumed(cursor)
@@ -235,6 +238,13 @@ class Trainer:
             except GaveWay:
                 log.info("replay epoch %d: gives way to fresh data during update %d of %d", epoch, i + 1, n)
                 break
+            if res.rows is not None and res.rows.numel() == 0:
+                # no row of these groups is one a replay trains on (trainer.replay_rows): no update;
+                # their replays are counted and their priorities drop to 0, so they are drawn last
+                if world.is_main:
+                    self.buffer.update_priorities(rb.keys, [0.0] * len(rb.keys))
+                world.barrier()
+                continue
             st.updates += tc.update_epochs
             self.pace.took("replay", time.time() - t0)
             if world.is_main:

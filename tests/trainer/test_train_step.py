@@ -6,7 +6,7 @@ from pipeline.config import TrainerConfig
 from pipeline.models import load_model, load_tokenizer
 from pipeline.trainer.batch import collate, token_logprobs
 from pipeline.trainer.critic import ActorCritic
-from pipeline.trainer.step import train_step
+from pipeline.trainer.step import replayable, train_step
 
 
 def _table(tok, rewards, versions=None):
@@ -64,7 +64,7 @@ def test_collate_lays_out_prompt_then_response_per_row_and_checks_the_log_probs(
 
     rows = {"prompt_token_ids": [[9, 9], [1, 2, 3], [4]], "response_token_ids": [[9], [5, 6], [7, 8, 0]],
             "behavior_logprobs": [[-9.0], [-0.5, -0.6], [-0.7, -0.8, -0.1]], "reward": [0.0, 1.0, 0.5],
-            "group_id": ["x", "g1", "g2"], "policy_version": [0, 3, 4]}
+            "group_id": ["x", "g1", "g2"], "policy_version": [0, 3, 4], "finish_reason": ["stop", "length", "stop"]}
     table = pa.table(rows).slice(1)  # a slice: the list columns start at an offset
     b = collate(table, pad_id=99)
     assert b.input_ids.tolist() == [[1, 2, 3, 5, 6], [4, 7, 8, 0, 99]]
@@ -72,6 +72,7 @@ def test_collate_lays_out_prompt_then_response_per_row_and_checks_the_log_probs(
     assert b.mask.tolist() == [[0, 0, 0, 1, 1], [0, 1, 1, 1, 0]]
     assert torch.allclose(b.behavior_logprobs, torch.tensor([[0, 0, 0, -0.5, -0.6], [0, -0.7, -0.8, -0.1, 0]]))
     assert b.group_ids == ["g1", "g2"] and b.policy_version.tolist() == [3, 4]
+    assert b.truncated.tolist() == [True, False]
     rows["behavior_logprobs"][2] = [-0.7]
     with pytest.raises(ValueError, match="row 1: 3 response tokens but 1 behaviour log-probs"):
         collate(pa.table(rows).slice(1), pad_id=99)
@@ -160,3 +161,49 @@ def test_rows_with_zero_advantage_skip_forward_and_backward_and_the_update_is_th
     rows_seen.clear()
     _, res = _sgd_update(path, batch, TrainerConfig(entropy_coef=0.01))
     assert rows_seen == [16] and res.stats["trainer/skipped_rows"] == 0
+
+
+def _finished(table, reasons):
+    import pyarrow as pa
+    return table.set_column(table.schema.get_field_index("finish_reason"), "finish_reason", pa.array(reasons))
+
+
+def test_replay_never_trains_an_answer_cut_off_at_max_new_tokens(digit_example):
+    """A completion the sampler cut off (finish_reason "length") is unfinished: a replay does not
+    reinforce it even when it beat its group (replayed again and again, such answers taught the
+    policy not to stop), and "best" is the best of the finished ones. Fresh steps train every row."""
+    path = f"{digit_example}/model"
+    tok = load_tokenizer(path)
+    rewards = [1.0, 0.0, 0.5, 0.0, 1.0, 1.0, 0.0, 0.2]  # positive rows: 0, 2, 4, 5
+    reasons = ["length", "stop", "stop", "stop", "stop", "length", "length", "stop"]
+    batch = collate(_finished(_table(tok, rewards), reasons), tok.pad_token_id)
+    assert batch.truncated.tolist() == [r == "length" for r in reasons]
+    tc = TrainerConfig(max_grad_norm=1e9)
+    _, res = _sgd_update(path, batch, tc, rows="positive")
+    assert res.rows.tolist() == [2, 4]
+    _, res = _sgd_update(path, batch, tc, rows="best")
+    assert res.rows.tolist() == [2, 4]  # group 0's best (row 0, 1.0) was cut off: its best finished one
+    fresh, res = _sgd_update(path, batch, tc)
+    assert res.rows is None and res.stats["trainer/skipped_rows"] == 0 and fresh.abs().max() > 1e-4
+
+
+def test_a_replay_batch_with_no_finished_row_that_beat_its_group_makes_no_update(digit_example):
+    """No optimizer step (the parameters stay), no rows, and priority 0 for every group."""
+    path = f"{digit_example}/model"
+    tok = load_tokenizer(path)
+    table = _finished(_table(tok, [1.0, 0.0, 0.5, 0.0]), ["length", "stop", "length", "stop"])
+    delta, res = _sgd_update(path, collate(table, tok.pad_token_id), TrainerConfig(), rows="positive")
+    assert res.rows.numel() == 0 and res.priorities.tolist() == [0.0]
+    assert delta.abs().max() == 0
+
+
+def test_only_groups_with_a_finished_row_that_beat_the_group_are_replayable(digit_example):
+    """What the trainer promotes to L2: with replay_rows positive or best, the groups a replay can
+    train on; with all, every group."""
+    tok = load_tokenizer(f"{digit_example}/model")
+    rewards = [1.0, 0.0, 0.5, 0.0, 1.0, 1.0, 0.0, 0.2, 0.3, 0.3, 0.3, 0.3]  # group 2: no variance
+    reasons = ["length", "stop", "stop", "stop", "length", "length", "stop", "stop"] + ["stop"] * 4
+    batch = collate(_finished(_table(tok, rewards), reasons), tok.pad_token_id)
+    assert replayable(batch, TrainerConfig()).tolist() == [True] * 4 + [False] * 8
+    assert replayable(batch, TrainerConfig(replay_rows="best")).tolist() == [True] * 4 + [False] * 8
+    assert replayable(batch, TrainerConfig(replay_rows="all")) is None

@@ -45,7 +45,7 @@ def synthetic_shard(tok, prompts: list[list[int]], shard: int, groups: int, grou
                 "sample_id": f"{gid}-{j}", "prompt_id": f"p{g}", "group_id": gid, "data_source": "builtin/digit",
                 "prompt_token_ids": prompt, "response_token_ids": resp, "response_text": "",
                 "behavior_logprobs": [-2.302585] * n, "reward": reward, "token_rewards": None, "reward_extra": None,
-                "finish_reason": "length", "policy_version": 0, "sampler_id": "test", "created_at": now,
+                "finish_reason": "stop", "policy_version": 0, "sampler_id": "test", "created_at": now,
                 "content_hash": content_hash(prompt, resp), "tier": "l1", "replay_count": 0, "priority": 1.0,
             })
     return to_table(rows)
