@@ -20,7 +20,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from .config import ConfigError
-from .storage import put_atomic, url_to_fs
+from .storage import parquet_from_bytes, put_atomic, url_to_fs
 
 REQUIRED = ("data_source", "prompt", "reward_model.ground_truth")
 
@@ -39,9 +39,7 @@ def _read_table(url: str, field: str) -> pa.Table:
     if not fs.exists(path):
         raise ConfigError(f"{field}: dataset {url!r} not found; give a Parquet file in verl's column layout")
     try:
-        # From bytes, not a Python file object: pyarrow 26 can abort at interpreter exit after
-        # reading through a Python file object.
-        return pq.read_table(pa.BufferReader(fs.cat_file(path)))
+        return parquet_from_bytes(fs.cat_file(path))
     except (pa.ArrowInvalid, OSError) as e:
         raise ConfigError(f"{field}: {url!r} is not a readable Parquet file ({e})") from None
 

@@ -32,7 +32,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from .storage import delete, list_names, put_atomic, read_bytes
+from .storage import delete, list_names, parquet_from_bytes, put_atomic, read_bytes
 
 FLUSH_EVERY = 50
 PART_RE = re.compile(r"^part-(\d{12})-(\d{12})\.parquet$")
@@ -58,7 +58,7 @@ def _parts(run) -> list[tuple[int, int, str]]:
 
 
 def _read_part(run, name: str) -> pa.Table:
-    return pq.read_table(pa.BufferReader(read_bytes(run.fs, run.path("lineage", name)))).cast(LEDGER_SCHEMA)
+    return parquet_from_bytes(read_bytes(run.fs, run.path("lineage", name))).cast(LEDGER_SCHEMA)
 
 
 def _write_part(run, table: pa.Table) -> None:

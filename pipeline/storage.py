@@ -149,6 +149,20 @@ def read_bytes(fs: fsspec.AbstractFileSystem, path: str) -> bytes:
     return fs.cat_file(path)
 
 
+def parquet_from_bytes(data: bytes):
+    """A whole Parquet file held in memory, as a pyarrow Table, decoded on this thread. On
+    pyarrow's thread pool, a pool thread could drop the last reference to `data` (a Python
+    object); when that happens while the interpreter exits, the thread is killed as it waits for
+    the GIL and the process aborts ("terminate called without an active exception") after its
+    work is done: one process in about 17 that read a few Parquet files from bytes, with pyarrow
+    26. The files read this way (shards, ledgers, datasets) are small; the pool saves nothing on
+    them."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    return pq.read_table(pa.BufferReader(data), use_threads=False)
+
+
 def file_exists(fs: fsspec.AbstractFileSystem, path: str) -> bool:
     """Whether a file (not a folder) exists. On S3 a single HEAD: s3fs's `exists` follows a HEAD
     that finds nothing with a LIST (is it a folder?), two requests per poll of a marker that is

@@ -17,7 +17,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from ..config import validate_name
-from ..storage import is_local, join, put_atomic, read_bytes, write_local
+from ..storage import is_local, join, parquet_from_bytes, put_atomic, read_bytes, write_local
 from .schema import ROLLOUT_SCHEMA, SCHEMA_VERSION, SCHEMA_VERSION_KEY, SchemaError, check_schema
 
 class CorruptShard(ValueError):
@@ -99,7 +99,7 @@ def read_shard(fs, root: str, rel: str, data: bytes | None = None) -> pa.Table:
     path = join(root, rel)
     try:
         if data is not None or not is_local(fs):
-            table = pq.read_table(pa.BufferReader(read_bytes(fs, path) if data is None else data))
+            table = parquet_from_bytes(read_bytes(fs, path) if data is None else data)
         else:
             table = pq.read_table(path)
     except FileNotFoundError:
