@@ -10,9 +10,10 @@ in this process, identical except for replay:
        replay trains the config's `trainer.replay_rows` (default: the completions that beat their
        group) at `trainer.replay_lr_scale` (default 0.5) times the learning rate.
 
-Both runs use the config's policy objective. The demo config clips the ratio to the stored
-behaviour log-probs (a trust region around the sampler's policy: stale replayed tokens outside it
-get no gradient); `--set trainer.decoupled=true` measures the decoupled objective instead.
+Fresh steps use the config's policy objective in both runs (the demo config clips the ratio to
+the stored behaviour log-probs, a trust region around the sampler's policy; `--set
+trainer.decoupled=true` measures the decoupled objective instead); replay updates always use the
+decoupled one (`pipeline.trainer.step.replay_config`).
 
 For each run, the policy versions 0, k, 2k, ... are scored on the held-out prompts (greedy, the
 task's reward). Generated tokens of version v = response tokens the sampler had generated when the

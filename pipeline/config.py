@@ -167,7 +167,7 @@ class TrainerConfig(_Section):
     loss_agg: Literal["token-mean", "seq-mean-token-mean"] = "token-mean"
     """Loss aggregation: over all response tokens of the batch, or per sequence then over sequences."""
     decoupled: bool = False
-    """Decoupled PPO: clip against the proximal policy, correct behaviour->proximal by truncated IS; off: clip the ratio to the behaviour policy (a trust region around the sampler's policy). The proximal clip binds only with update_epochs > 1."""
+    """Decoupled PPO: clip against the proximal policy, correct behaviour->proximal by truncated IS; off: clip the ratio to the behaviour policy (a trust region around the sampler's policy). The proximal clip binds only with update_epochs > 1. This chooses the objective of fresh steps; replay updates always use the decoupled one (their behaviour policy is several versions old: `pipeline.trainer.step.replay_config`)."""
     is_level: Literal["token", "sequence", "none"] = "token"
     """Truncated importance sampling of behaviour -> proximal policy: per token, per sequence (product), or off."""
     is_clip: float = Field(1.0, gt=0)

@@ -48,7 +48,7 @@ from .feed import ConsumedMarks, FreshFeed, GaveWay, ReplayPace, TrainerStopped,
 from .phases import phase_end_steps, replay_epoch_steps
 from .publish import BackgroundPublisher, publish_policy
 from .precision import DTYPES, Precision
-from .step import replayable, train_step
+from .step import replay_config, replayable, train_step
 
 log = logging.getLogger("rlhf.trainer")
 FAULT_ENV = "RLHF_TRAINER_KILL_AFTER_STEP"  # fault injection for the resume tests: SIGKILL after step N
@@ -231,7 +231,7 @@ class Trainer:
                 break
             batch = collate(rb.table, self.tokenizer.pad_token_id, rb.weights)
             try:
-                res = train_step(self.actor, self.ref, self.opt, batch, self.tc, self.cfg.sampler.temperature,
+                res = train_step(self.actor, self.ref, self.opt, batch, replay_config(tc), self.cfg.sampler.temperature,
                                  world=world, scheduler=self.sched, version=None, precision=self.precision,
                                  lr_scale=tc.replay_lr_scale, rows=tc.replay_rows,
                                  before_micro_batch=self._give_way if tc.replay_yield and tc.update_epochs == 1 else None)

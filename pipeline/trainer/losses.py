@@ -13,7 +13,9 @@ and w = min(pi_prox / mu, C) (truncated IS, per token or per sequence). With `de
 the ratio is taken against mu directly (classic PPO: the ratio is the IS weight and its clip a
 trust region around mu; stale tokens outside the region get no gradient). With one optimizer
 update per batch pi_prox = pi_theta, so the decoupled clip binds only with `update_epochs` > 1;
-on the tiny demo the behaviour-anchored clip learns more stably (see bench/reuse.py).
+on the tiny demo the behaviour-anchored clip learns more stably on fresh data (staleness <= 2),
+and replay updates, whose data is older, learn more with the decoupled objective
+(`step.replay_config`, bench/reuse.py).
 
 Gradient accumulation: losses are sums divided by a denominator computed once for the whole
 batch (`denominator`), so summing micro-batch losses gives exactly the full-batch loss.
