@@ -86,7 +86,7 @@ def replay_config(tc: TrainerConfig) -> TrainerConfig:
     """The config of a replay update: `tc` with the decoupled objective, whatever
     `trainer.decoupled` says for fresh steps. A replayed row was generated several versions ago.
     Clipped against that behaviour policy, a token the policy has since made more than `clip_eps`
-    likelier gets no gradient, and those are 12% of the replayed tokens on the demo task; decoupled,
+    likelier gets no gradient (12% of the replayed tokens of bench/reuse.py's seed 0); decoupled,
     the trust region is around the current policy and every token of a kept row has a gradient,
     weighted by the truncated min(pi / mu, is_clip). On bench/reuse.py (seeds 0-9) the replay-on run
     then needs a median 0.59x the generated tokens of the replay-off run to the target, against
