@@ -158,8 +158,9 @@ def parquet_from_bytes(data: bytes) -> pa.Table:
     object); when that happens while the interpreter exits, the thread is killed as it waits for
     the GIL and the process aborts ("terminate called without an active exception") after its
     work is done: 11 of 200 processes that read a small Parquet file from bytes a few times, with
-    pyarrow 26 (0 of 300 decoding on their own thread). The files read this way (shards, ledgers, datasets) are small; the pool saves nothing on
-    them."""
+    pyarrow 26, and 0 of 200 decoding on their own thread. The files read this way (shards,
+    ledgers, datasets) are small, and the pool saves little on them: the same time for shards of
+    6 and 44 kB, 7-10 ms against 10-11 ms for one of 1 MB, on 2 cores."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
