@@ -51,19 +51,18 @@ class StepResult:
     rows: torch.Tensor | None = None  # the batch's rows trained on (long [b]); None: all of them
 
 
-def kept_rows(rewards: torch.Tensor, group_index: torch.Tensor, seq_adv: torch.Tensor, rows: str,
-              truncated: torch.Tensor | None = None) -> torch.Tensor:
-    """Indices of the rows an update with `trainer.replay_rows=rows` trains on: "positive", those
-    whose advantage (computed over the whole group) is above 0 and that ended on their own (not
-    `truncated` at max_new_tokens: a cut-off answer is unfinished, and replaying it teaches the
-    policy not to stop); "best", those of them with the highest reward among them in their group."""
-    keep = seq_adv > 0
-    if truncated is not None:
-        keep &= ~truncated
+def kept_rows(batch: TrainBatch, seq_adv: torch.Tensor, rows: str) -> torch.Tensor:
+    """Indices of the rows of `batch` an update with `trainer.replay_rows=rows` trains on:
+    "positive", those whose advantage `seq_adv` (computed over the whole group) is above 0 and that
+    ended on their own (not `truncated` at max_new_tokens: a cut-off answer is unfinished, and
+    replaying it teaches the policy not to stop); "best", those of them with the highest reward
+    among them in their group."""
+    keep = (seq_adv > 0) & ~batch.truncated
     if rows == "best":
-        r = torch.where(keep, rewards.float(), torch.tensor(-torch.inf))
-        best = torch.full((int(group_index.max()) + 1,), -torch.inf).scatter_reduce(0, group_index, r, reduce="amax")
-        keep &= r >= best[group_index]
+        gi = batch.group_index
+        r = torch.where(keep, batch.rewards.float(), torch.tensor(-torch.inf))
+        best = torch.full((int(gi.max()) + 1,), -torch.inf).scatter_reduce(0, gi, r, reduce="amax")
+        keep &= r >= best[gi]
     elif rows != "positive":
         raise ValueError(f"trainer.replay_rows: unknown value {rows!r}; use all, positive or best")
     return torch.nonzero(keep).flatten()
@@ -78,7 +77,7 @@ def replayable(batch: TrainBatch, tc: TrainerConfig) -> torch.Tensor | None:
     if tc.replay_rows == "all" or algo.advantage is None:
         return None
     adv = ADVANTAGES[algo.advantage](batch.rewards, batch.group_index, std_normalize=tc.std_normalize)
-    rows = kept_rows(batch.rewards, batch.group_index, adv, tc.replay_rows, batch.truncated)
+    rows = kept_rows(batch, adv, tc.replay_rows)
     return torch.isin(batch.group_index, batch.group_index[rows])
 
 
@@ -333,7 +332,7 @@ def train_step(actor: ActorCritic, ref, opt, batch: TrainBatch, tc: TrainerConfi
     if rows != "all":
         if seq_adv is None:
             raise ValueError(f"trainer.replay_rows={rows} needs group advantages; algorithm {tc.algorithm} has none")
-        kept = kept_rows(batch.rewards, batch.group_index, seq_adv, rows, batch.truncated)
+        kept = kept_rows(batch, seq_adv, rows)
         if kept.numel() == 0:  # no update; priority 0: these groups have nothing left to replay
             return StepResult(loss=0.0, stats={}, priorities=torch.zeros(len(batch.group_ids)), rows=kept)
         batch, seq_adv = batch.select(kept), seq_adv[kept]
