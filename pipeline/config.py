@@ -110,7 +110,7 @@ class RewardConfig(_Section):
 
 class SamplerConfig(_Section):
     backend: Literal["hf", "vllm"] = "hf"
-    """Generation engine: `hf` (transformers generate) or `vllm`."""
+    """Generation engine: `hf` (the transformers model's forward in a decoding loop of its own, `pipeline/sampler/decode.py`) or `vllm`."""
     group_size: int = Field(8, ge=2)
     """Completions per prompt (the GRPO group)."""
     prompts_per_batch: int = Field(16, gt=0)
@@ -133,6 +133,14 @@ class SamplerConfig(_Section):
     """Token budget of one engine call, sum of (prompt + max_new_tokens) * n; bigger calls are split, halved on OOM."""
     vllm: dict[str, JsonValue] = Field(default_factory=dict)
     """Extra engine arguments for the vllm backend (tensor_parallel_size, gpu_memory_utilization, ...)."""
+
+    @model_validator(mode="after")
+    def _vllm_top_p(self) -> "SamplerConfig":
+        if self.backend == "vllm" and self.top_p < 1.0:
+            raise ValueError(f"sampler.top_p={self.top_p} with sampler.backend=vllm: vLLM returns nucleus-renormalised "
+                             "log-probs that do not match the trainer's log_softmax(logits / temperature); use "
+                             "sampler.top_p=1.0 or sampler.backend=hf")
+        return self
 
 
 class TrainerConfig(_Section):

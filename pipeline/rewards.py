@@ -11,7 +11,7 @@ manager): `compute_score(data_sources=[...], solution_strs=[...], ground_truths=
 extra_infos=[...]) -> list[float | dict]`, one call per rollout batch.
 
 `reward.fn` is `auto` (the built-in scorer of each row's `data_source`, see `REWARD_SOURCES`), a
-built-in name (`sort`, `digit`, `gsm8k`, `math`) or `path/to/file.py:function`.
+built-in name (`sort`, `digit`, `repeat`, `gsm8k`, `math`) or `path/to/file.py:function`.
 """
 
 from __future__ import annotations

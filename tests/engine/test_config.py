@@ -26,6 +26,14 @@ def test_overrides_are_parsed_as_yaml_scalars():
     assert cfg.trainer.steps == 7 and cfg.sampler.temperature == 0.5 and cfg.reward.fn == "digit"
 
 
+def test_vllm_with_nucleus_sampling_is_rejected_by_the_config():
+    # vLLM's log-probs are renormalised over the nucleus: the config stops it before any process starts
+    with pytest.raises(ConfigError, match="sampler.top_p=0.9 with sampler.backend=vllm"):
+        parse_config({"sampler": {"backend": "vllm", "top_p": 0.9}})
+    assert parse_config({"sampler": {"backend": "vllm", "top_p": 1.0}}).sampler.top_p == 1.0
+    assert parse_config({"sampler": {"backend": "hf", "top_p": 0.9}}).sampler.top_p == 0.9
+
+
 def test_override_without_equals_is_rejected():
     with pytest.raises(ConfigError, match="key=value"):
         parse_config({}, ["trainer.steps"])
