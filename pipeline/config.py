@@ -18,13 +18,13 @@ from pydantic import AliasChoices, BaseModel, ConfigDict, Field, JsonValue, Vali
 from .config_yaml import ConfigError, apply_overrides, one_line, read_config_file, show_value
 from .tracking_config import TrackingConfig
 
-NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")  # fullmatch: `$` would let a trailing newline through
 
 
 def validate_name(value: str, field: str, max_len: int = 128) -> str:
     """Names that end up in paths (run ids, sampler and writer ids): [A-Za-z0-9._-], starting
     with a letter or digit, no '..', at most `max_len` characters."""
-    if not isinstance(value, str) or not NAME_RE.match(value) or len(value) > max_len or ".." in value:
+    if not isinstance(value, str) or not NAME_RE.fullmatch(value) or len(value) > max_len or ".." in value:
         raise ConfigError(
             f"{field}: invalid value {value!r}; use 1-{max_len} characters from [A-Za-z0-9._-], "
             "starting with a letter or digit, without '..'"

@@ -61,11 +61,11 @@ def validate_inputs(cfg: RunConfig) -> dict:
     """Everything that can be checked without loading a model: reward, datasets, model folder."""
     from .data import load_prompts
     from .models import ships_required_code
-    from .rewards import load_reward_fn
+    from .rewards import check_reward_spec
     from .storage import url_to_fs
     from .tracking import require
 
-    load_reward_fn(cfg.reward.fn)
+    check_reward_spec(cfg.reward.fn, cfg.reward.batched)  # read, not imported: see its docstring
     for backend in cfg.tracking.backends:  # a missing tracker library fails here, not in the trainer
         require(backend)
     src = resolve_sources(cfg)

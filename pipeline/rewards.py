@@ -16,6 +16,7 @@ built-in name (`sort`, `digit`, `repeat`, `gsm8k`, `math`) or `path/to/file.py:f
 
 from __future__ import annotations
 
+import ast
 import importlib.util
 import inspect
 import math
@@ -115,10 +116,76 @@ def _accepted(fn: RewardFn, keys: tuple[str, ...]) -> tuple[str, ...] | None:
     return ok if set(keys[:-1]) <= set(ok) else None
 
 
-def _import_user_fn(spec: str) -> RewardFn:
+def check_reward_spec(spec: str, batched: bool | None = None) -> None:
+    """`load_reward_fn`'s checks without running the user's file: it is read, not imported.
+
+    For the places that must not run user code, such as the Airflow worker's prepare task: that
+    process holds the deployment's secrets, while the sampler and its reward worker (which import
+    the file and check it again, exactly) run with an allow-listed environment. The file must
+    parse and bind `function` at its top level; a `def` has its parameters checked as
+    `load_reward_fn` checks them. A name bound otherwise (an import, an assignment) is checked when
+    the sampler loads it."""
+    if spec == "auto" or ":" not in spec:
+        load_reward_fn(spec, batched)  # built-in: no user code
+        return
+    path, name = _user_file(spec)
+    try:
+        tree = ast.parse(open(path, "rb").read(), filename=path)
+    except (SyntaxError, ValueError) as e:
+        raise ConfigError(f"reward.fn: {path!r} is not valid Python: {e}") from None
+    bound = _binding(tree, name)
+    if bound is False:
+        raise ConfigError(f"reward.fn: {path!r} has no function {name!r}")
+    if bound is True:
+        return
+    a = bound.args
+    names = [x.arg for x in a.posonlyargs + a.args + a.kwonlyargs]
+    positional_only = {x.arg for x in a.posonlyargs}
+    if batched is None:
+        batched = "solution_strs" in names
+    keys = BATCH_KEYS if batched else SAMPLE_KEYS
+    if a.kwarg is not None:
+        return
+    ok = {k for k in keys if k in names and k not in positional_only}
+    if not set(keys[:-1]) <= ok:
+        raise ConfigError(
+            f"reward.fn: {spec} takes ({ast.unparse(a)}); it must accept the keywords "
+            + (f"{', '.join(keys[:-1])} (batched, reward.batched=true)" if batched else
+               f"{', '.join(keys[:-1])}, extra_info=None (verl's compute_score)")
+        )
+
+
+def _binding(tree: ast.Module, name: str) -> ast.FunctionDef | bool:
+    """The last top-level undecorated `def name`, unless something after it binds `name` again;
+    True when something else may bind it (a decorator, an import, an assignment, a class, or a
+    statement such as `if` or `try` whose body may); False when nothing does."""
+    found: ast.FunctionDef | bool = False
+    for node in tree.body:
+        if isinstance(node, ast.FunctionDef):
+            found = (True if node.decorator_list else node) if node.name == name else found
+        elif isinstance(node, (ast.AsyncFunctionDef, ast.ClassDef)):
+            found = True if node.name == name else found
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            if any(a.name == "*" or (a.asname or a.name.split(".")[0]) == name for a in node.names):
+                found = True
+        elif isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            if any(isinstance(t, ast.Name) and t.id == name for tg in targets for t in ast.walk(tg)):
+                found = True
+        elif not isinstance(node, (ast.Expr, ast.Pass)):
+            found = found or True
+    return found
+
+
+def _user_file(spec: str) -> tuple[str, str]:
     path, name = spec.rsplit(":", 1)
     if not os.path.isfile(path):
         raise ConfigError(f"reward.fn: file {path!r} not found; give 'path/to/file.py:function'")
+    return path, name
+
+
+def _import_user_fn(spec: str) -> RewardFn:
+    path, name = _user_file(spec)
     mod_name = f"rlhf_user_reward_{abs(hash(os.path.abspath(path)))}"
     module_spec = importlib.util.spec_from_file_location(mod_name, path)
     if module_spec is None or module_spec.loader is None:

@@ -13,6 +13,7 @@ the field docstrings as descriptions): `CONFIG_FIELDS` only names them. Form fie
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -197,8 +198,14 @@ def _storage_root(url: str, field: str) -> str:
 
 
 def run_name_from(dag_id: str, airflow_run_id: str) -> str:
-    """A path-safe run directory name for a DAG run (Airflow run ids hold ':' and '+')."""
-    return (re.sub(r"[^A-Za-z0-9._-]+", "-", f"{dag_id}-{airflow_run_id}").strip("-.")[:128]).replace("..", ".")
+    """A path-safe run directory name for a DAG run (Airflow run ids hold ':' and '+'; no '..').
+    One cut to 128 characters ends with a hash of the whole id, so two long run ids that share a
+    prefix get two directories."""
+    full = f"{dag_id}-{airflow_run_id}"
+    name = re.sub(r"\.{2,}", ".", re.sub(r"[^A-Za-z0-9._-]+", "-", full)).lstrip("-._").rstrip("-.")
+    if len(name) > 128:
+        name = name[:119].rstrip("-.") + "-" + hashlib.sha256(full.encode()).hexdigest()[:8]
+    return name
 
 
 def check_conf_keys(conf: dict, params: dict) -> None:

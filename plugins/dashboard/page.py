@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import html
 import json
+import re
 from pathlib import Path
 
 SCRIPT = Path(__file__).with_name("static") / "dashboard.js"
@@ -55,7 +56,12 @@ def _script() -> str:
 
 
 def render_page(dag_id: str, run_id: str, status_url: str) -> str:
-    title = html.escape(f"{dag_id} / {run_id}")
-    # json.dumps of a str is a JS string literal; "</" is escaped so it cannot close the script.
-    return (_PAGE.replace("__TITLE__", title).replace("__SCRIPT__", _script())
-            .replace("__STATUS_URL__", json.dumps(status_url).replace("</", "<\\/")))
+    """The page of one run. Every placeholder is filled in one pass, so text that came from the
+    request (the run id, in the title and the status URL) is never scanned for placeholders again."""
+    values = {
+        "TITLE": html.escape(f"{dag_id} / {run_id}"),
+        # json.dumps of a str is a JS string literal; with "<" escaped it cannot close the script.
+        "STATUS_URL": json.dumps(status_url).replace("<", "\\u003c"),
+        "SCRIPT": _script(),
+    }
+    return re.sub(r"__(TITLE|STATUS_URL|SCRIPT)__", lambda m: values[m.group(1)], _PAGE)

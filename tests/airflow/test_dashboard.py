@@ -95,7 +95,11 @@ def test_run_ids_are_escaped_in_the_page():
 
     html = render_page("d", "<script>alert(1)</script>", "/rlhf/api/x</script>")
     assert "<script>alert(1)" not in html
-    assert "x<\\/script>" in html
+    assert "x\\u003c/script>" in html
+    # a placeholder inside the run id is not filled in again after the escaped id went in
+    rid = "__STATUS_URL__<img src=x onerror=alert(1)>"
+    html = render_page("d", rid, f"/rlhf/api/dags/d/runs/{rid}/status")
+    assert "<img" not in html and html.count("__STATUS_URL__") == 3  # <title>, <h1>, the JS string
 
 
 def test_status_carries_the_chart_data_of_the_page(client, token, run):

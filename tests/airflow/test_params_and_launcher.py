@@ -51,6 +51,20 @@ def test_run_names_from_airflow_run_ids_are_path_safe():
 
     name = run_name_from("rlhf_train", "manual__2026-11-29T18:30:00.123456+00:00")
     assert validate_run_id(name) == name and "/" not in name and ":" not in name
+    for run_id in ("my...run", "..x", "_a", "a" * 300, "b" * 200 + ":.."):
+        name = run_name_from("rlhf_train", run_id)
+        assert validate_run_id(name) == name
+    # cut to 128 characters, two ids sharing a long prefix still name two directories
+    long = "scheduled__" + "x" * 200
+    assert run_name_from("rlhf_train", long + "1") != run_name_from("rlhf_train", long + "2")
+
+
+@pytest.mark.parametrize("bad", ["abc\n", "abc\r", "a\nb"])
+def test_names_with_a_line_break_are_rejected(bad):
+    from pipeline.config import ConfigError, validate_name
+
+    with pytest.raises(ConfigError, match="invalid value"):
+        validate_name(bad, "--sampler-id")
 
 
 @pytest.mark.parametrize("bad", ["http://example.com/runs", "relative/runs", "file://relative", "ftp://x/y"])

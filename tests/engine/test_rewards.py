@@ -1,7 +1,7 @@
 import pytest
 
 from pipeline.config import ConfigError
-from pipeline.rewards import REWARD_SOURCES, load_reward_fn, score
+from pipeline.rewards import REWARD_SOURCES, check_reward_spec, load_reward_fn, score
 from pipeline.builtin_tasks import make_rows, sort_score
 
 
@@ -119,3 +119,44 @@ def test_auto_dispatches_by_data_source():
 def test_auto_with_an_unknown_data_source_lists_the_known_ones():
     with pytest.raises(ValueError, match=r"no built-in reward for data_source 'my/task'; known: .*openai/gsm8k"):
         load_reward_fn("auto")("my/task", "x", "y")
+
+
+def test_the_reward_file_is_checked_without_running_it(tmp_path):
+    """prepare runs in the Airflow worker, beside the deployment's secrets: it reads the file."""
+    ran = tmp_path / "ran"
+    good = _user_fn(tmp_path, f"open({str(ran)!r}, 'w').write('x')\n"
+                              "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                              "    return 0.0\n")
+    check_reward_spec(good)
+    assert not ran.exists()
+    load_reward_fn(good)  # the sampler's reward worker imports it
+    assert ran.exists()
+
+
+@pytest.mark.parametrize("body, message", [
+    ("def other(data_source, solution_str, ground_truth):\n    return 0.0\n", "has no function 'compute_score'"),
+    ("def compute_score(data_source, solution_str\n", "is not valid Python"),
+    ("def compute_score(a, b, c, /):\n    return 0.0\n",
+     r"takes \(a, b, c, /\); it must accept the keywords data_source"),
+    ("def compute_score(data_sources, solution_strs):\n    return []\n",
+     "data_sources, solution_strs, ground_truths \\(batched"),
+])
+def test_a_reward_file_read_without_running_it_names_what_is_wrong(tmp_path, body, message):
+    with pytest.raises(ConfigError, match=message):
+        check_reward_spec(_user_fn(tmp_path, body))
+
+
+@pytest.mark.parametrize("body", [
+    "from math import floor as compute_score\n",
+    "compute_score = lambda **kw: 0.0\n",
+    "import functools\n@functools.lru_cache\ndef compute_score(*a):\n    return 0.0\n",
+    "try:\n    from fast import compute_score\nexcept ImportError:\n    pass\n",
+    "def compute_score(**kwargs):\n    return 0.0\n",
+])
+def test_a_name_bound_otherwise_is_left_to_the_sampler(tmp_path, body):
+    check_reward_spec(_user_fn(tmp_path, body))
+
+
+def test_a_missing_reward_file_is_named(tmp_path):
+    with pytest.raises(ConfigError, match="not found"):
+        check_reward_spec(f"{tmp_path}/nope.py:compute_score")
