@@ -14,7 +14,7 @@ from datetime import datetime, timedelta
 
 from airflow.sdk import DAG, Param, task
 
-from plugins.dag_params import run_params
+from plugins.dag_params import STORAGE_URL_PATTERN, run_params
 from plugins.notifiers import RunFailureAlert
 from plugins.taskgroups import training_run, watcher
 
@@ -28,7 +28,8 @@ with DAG(
     max_active_runs=1,  # each run starts from the policy the previous date published
     params={
         **run_params(with_dataset=False),
-        "prompts_root": Param("", type="string", maxLength=1000, title="Dated prompts root",
+        "prompts_root": Param("", type="string", maxLength=1000, pattern=STORAGE_URL_PATTERN,
+                              title="Dated prompts root",
                               description="fsspec URL holding ds=YYYY-MM-DD/*.parquet partitions "
                                           "(empty = $RLHF_PROMPTS_ROOT)"),
     },

@@ -8,7 +8,6 @@ the fix, before any model or dataset is loaded.
 from __future__ import annotations
 
 import copy
-import re
 from pathlib import Path
 from typing import Any, Literal
 
@@ -16,25 +15,8 @@ import yaml
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, JsonValue, ValidationError, field_validator, model_validator
 
 from .config_yaml import ConfigError, apply_overrides, one_line, read_config_file, show_value
+from .locations import validate_input_url, validate_run_id
 from .tracking_config import TrackingConfig
-
-NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")  # fullmatch: `$` would let a trailing newline through
-
-
-def validate_name(value: str, field: str, max_len: int = 128) -> str:
-    """Names that end up in paths (run ids, sampler and writer ids): [A-Za-z0-9._-], starting
-    with a letter or digit, no '..', at most `max_len` characters."""
-    if not isinstance(value, str) or not NAME_RE.fullmatch(value) or len(value) > max_len or ".." in value:
-        raise ConfigError(
-            f"{field}: invalid value {value!r}; use 1-{max_len} characters from [A-Za-z0-9._-], "
-            "starting with a letter or digit, without '..'"
-        )
-    return value
-
-
-def validate_run_id(run_id: str) -> str:
-    return validate_name(run_id, "run_id")
-
 
 class _Section(BaseModel):
     # field docstrings become the JSON schema's descriptions (the trigger form shows them)
@@ -62,6 +44,11 @@ class ModelConfig(_Section):
     """A Hugging Face model folder (local path or fsspec URL), or `builtin:<task>` for the tiny model."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """Compute and serving dtype: the sampler loads the policy in it, the trainer computes in it while its master weights and optimizer state stay float32 (bfloat16 on GPUs; float32 on CPU, where bf16 decoding is slower: see trainer.dtype)."""
+    @field_validator("path")
+    @classmethod
+    def _path(cls, v: str) -> str:
+        return validate_input_url(v)
+
     trust_remote_code: bool = False
     """Run the Python code a model folder ships (an architecture transformers does not know, named by `auto_map` in its config.json) when the trainer, the sampler (hf and vllm) and evaluation load its tokenizer and model; off by default: turn it on only for folders you trust."""
 
@@ -71,6 +58,11 @@ class DataConfig(_Section):
     """Training prompts: Parquet file/URL in verl's columns, or `builtin:<task>`."""
     eval: str = "builtin:sort"
     """Held-out prompts, same format; `builtin:<task>` uses the task's held-out split."""
+    @field_validator("train", "eval")
+    @classmethod
+    def _urls(cls, v: str) -> str:
+        return validate_input_url(v)
+
     max_prompt_tokens: int = Field(128, gt=0)
     """Longest rendered prompt, in tokens of the policy's tokenizer; the sampler checks every training prompt at start (see overlong_prompts)."""
     overlong_prompts: Literal["filter", "fail"] = "filter"
@@ -92,6 +84,11 @@ class RewardConfig(_Section):
     """A rule reward that raises, returns a bad value or times out: `fail` stops the sampler naming the sample; `zero` scores it 0. Both count it (reward/errors, reward/timeouts)."""
     model: str | None = None
     """Reward model (kind=model): a Hugging Face sequence-classification folder, local path or fsspec URL."""
+    @field_validator("model")
+    @classmethod
+    def _model_url(cls, v: str | None) -> str | None:
+        return v if v is None else validate_input_url(v, builtin=False)
+
     device: str = Field("cpu", pattern=r"^(cpu|cuda(:\d+)?|mps|xpu(:\d+)?)$")
     """Device of the reward model in the sampler process: cpu, cuda or cuda:N."""
     model_label: int = Field(0, ge=0)

@@ -26,7 +26,8 @@ from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any
 from urllib.parse import unquote
 
-from .config import ConfigError, RunConfig, parse_config, validate_run_id
+from .config import ConfigError, RunConfig, parse_config
+from .locations import validate_run_id
 from .storage import file_exists, is_temporary, join, list_names, put_atomic, put_if_absent, read_bytes, to_url, url_to_fs
 
 if TYPE_CHECKING:

@@ -35,7 +35,6 @@ ALLOWED_ROOTS_ENV = "RLHF_ALLOWED_STORAGE_ROOTS"
 # Where a root may be is checked in `runs_root`, when prepare runs.
 STORAGE_URL_PATTERN = r"^(?!(.*/)?(\.|%2[eE]){2}(/|$))[^\x00-\x1f\\]*$"
 CONFIGS_DIR_ENV = "RLHF_CONFIGS_DIR"
-STORAGE_PROTOCOLS = ("file", "local", "s3", "s3a", "gs", "gcs", "abfs", "az", "hdfs")
 
 class ConfigField(NamedTuple):
     key: str    # dotted RunConfig key
@@ -161,7 +160,7 @@ def runs_root(storage_url: str) -> str:
     roots = allowed_roots()
     if not storage_url:
         return roots[0]
-    root = _storage_root(storage_url, "storage_url")
+    root = storage_root(storage_url, "storage_url")
     from pipeline.rundir import url_is_under
 
     if not any(url_is_under(root, allowed) for allowed in roots):
@@ -174,14 +173,15 @@ def runs_root(storage_url: str) -> str:
 def allowed_roots() -> list[str]:
     """$RLHF_RUNS_ROOT (default: `runs` in the working folder), then the roots of
     $RLHF_ALLOWED_STORAGE_ROOTS."""
-    roots = [_storage_root(os.environ.get(RUNS_ROOT_ENV) or os.path.abspath("runs"), RUNS_ROOT_ENV)]
+    roots = [storage_root(os.environ.get(RUNS_ROOT_ENV) or os.path.abspath("runs"), RUNS_ROOT_ENV)]
     extra = os.environ.get(ALLOWED_ROOTS_ENV) or ""
-    return roots + [_storage_root(r.strip(), ALLOWED_ROOTS_ENV) for r in extra.split(",") if r.strip()]
+    return roots + [storage_root(r.strip(), ALLOWED_ROOTS_ENV) for r in extra.split(",") if r.strip()]
 
 
-def _storage_root(url: str, field: str) -> str:
+def storage_root(url: str, field: str) -> str:
     """`url` without a trailing '/', if it is an absolute path or a URL of a supported store and
     has no '..' segment; `field` names where the value came from in the error."""
+    from pipeline.locations import STORAGE_PROTOCOLS
     from pipeline.rundir import validate_run_url
 
     root = url.rstrip("/") or "/"
@@ -245,7 +245,8 @@ def _yaml_scalar(value: Any) -> str:
 
 def build_config(params: dict, conf: dict | None, run_name: str):
     """Validated RunConfig for this DAG run; raises pipeline.config.ConfigError or ValueError."""
-    from pipeline.config import parse_config, validate_run_id
+    from pipeline.config import parse_config
+    from pipeline.locations import validate_run_id
 
     check_conf_keys(conf or {}, params)
     data = config_dict(params)

@@ -70,7 +70,7 @@ def wait_for_earlier_run(ti, poll_s: float = 5.0, timeout_s: float = 12 * 3600) 
 
 
 def prepare_retrain(dag_id: str, params: dict, conf: dict | None, date: str, runs_root: str) -> dict:
-    from plugins.dag_params import check_conf_keys
+    from plugins.dag_params import check_conf_keys, storage_root
     from plugins.registry import PolicyRegistry
     from plugins.taskgroups import prepare_run
 
@@ -78,6 +78,7 @@ def prepare_retrain(dag_id: str, params: dict, conf: dict | None, date: str, run
     prompts_root = (params.get("prompts_root") or os.environ.get(PROMPTS_ROOT_ENV) or "").rstrip("/")
     if not prompts_root:
         raise ValueError(f"prompts_root: empty; pass the root of the ds=YYYY-MM-DD partitions or set ${PROMPTS_ROOT_ENV}")
+    prompts_root = storage_root(prompts_root, "prompts_root")  # absolute, a supported store, no '..'
     run_name = f"{dag_id}-{date}"
     inputs = f"{runs_root}/inputs/{run_name}/train.parquet"
     rows = stage_partition(prompts_root, date, inputs)

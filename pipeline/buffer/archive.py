@@ -21,7 +21,8 @@ from typing import TYPE_CHECKING
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from ..config import ConfigError, validate_run_id
+from ..config import ConfigError
+from ..locations import validate_run_id
 from .actions import AddShard, RemoveShard
 from .log import CommitConflict, shards_still_live
 from .shards import encode, group_layout, policy_range, write_shard

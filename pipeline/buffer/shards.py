@@ -16,7 +16,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from ..config import validate_name
+from ..locations import validate_name
 from ..storage import is_local, join, parquet_from_bytes, put_atomic, read_bytes, write_local
 from .schema import ROLLOUT_SCHEMA, SCHEMA_VERSION, SCHEMA_VERSION_KEY, SchemaError, check_schema
 

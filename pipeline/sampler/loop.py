@@ -31,7 +31,7 @@ from datetime import datetime, timezone
 
 from ..buffer import ReplayBuffer, bounds_consumer_progress
 from ..buffer.schema import content_hash, to_table
-from ..config import validate_name
+from ..locations import validate_name
 from ..data import PromptRow, filter_overlong, load_prompts
 from ..devices import engine_loaded, set_threads
 from ..models import load_tokenizer, render_prompt

@@ -47,7 +47,7 @@ def test_config_file_must_be_a_name_inside_configs():
 
 
 def test_run_names_from_airflow_run_ids_are_path_safe():
-    from pipeline.config import validate_run_id
+    from pipeline.locations import validate_run_id
 
     name = run_name_from("rlhf_train", "manual__2026-11-29T18:30:00.123456+00:00")
     assert validate_run_id(name) == name and "/" not in name and ":" not in name
@@ -61,7 +61,8 @@ def test_run_names_from_airflow_run_ids_are_path_safe():
 
 @pytest.mark.parametrize("bad", ["abc\n", "abc\r", "a\nb"])
 def test_names_with_a_line_break_are_rejected(bad):
-    from pipeline.config import ConfigError, validate_name
+    from pipeline.config import ConfigError
+    from pipeline.locations import validate_name
 
     with pytest.raises(ConfigError, match="invalid value"):
         validate_name(bad, "--sampler-id")

@@ -70,3 +70,13 @@ def test_a_date_rerun_with_other_parameters_gets_its_own_run_directory(tmp_path,
     assert run_dir(steps=3) == "rlhf_retrain-2026-11-15-2"
     assert run_dir() == "rlhf_retrain-2026-11-15"
     assert run_dir(steps=3) == "rlhf_retrain-2026-11-15-2"
+
+
+@pytest.mark.parametrize("root", ["relative/prompts", "http://127.0.0.1:8765/prompts", "file:///data/../etc",
+                                  "hf://datasets/x"])
+def test_a_prompts_root_outside_the_supported_stores_is_refused_before_anything_is_read(tmp_path, root):
+    from plugins.retrain import prepare_retrain
+
+    with pytest.raises(ValueError, match="prompts_root"):
+        prepare_retrain("rlhf_retrain", {"prompts_root": root}, {}, "2026-11-15", str(tmp_path / "runs"))
+    assert not (tmp_path / "runs").exists()

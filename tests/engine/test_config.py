@@ -1,6 +1,7 @@
 import pytest
 
-from pipeline.config import ConfigError, load_config, parse_config, validate_run_id
+from pipeline.config import ConfigError, load_config, parse_config
+from pipeline.locations import validate_run_id
 
 
 def test_defaults_are_valid():
@@ -75,3 +76,20 @@ def test_a_fixed_lag_needs_the_scheduled_versions_kept():
 def test_shipped_configs_load():
     for name in ("configs/tiny-grpo.yaml", "configs/tiny-test.yaml"):
         load_config(name)
+
+
+@pytest.mark.parametrize("section, key, value", [
+    ("data", "train", "http://127.0.0.1:8765/p.parquet"), ("model", "path", "hf://Qwen/Qwen2.5-0.5B"),
+    ("data", "eval", "simplecache::s3://bucket/eval.parquet"), ("reward", "model", "https://example.com/rm"),
+    ("data", "train", "foo://x/t.parquet"),
+])
+def test_inputs_are_read_only_from_paths_and_storage_urls(section, key, value):
+    # nothing is downloaded at run time, and a trigger form's value cannot make a worker call some host
+    with pytest.raises(ConfigError, match=f"{section}.{key}: .*not a path or a URL of a supported store"):
+        parse_config({section: {key: value}})
+
+
+def test_paths_storage_urls_and_builtins_are_inputs():
+    cfg = parse_config({"model": {"path": "s3://models/qwen"}, "data": {"train": "data/train.parquet",
+                                                                      "eval": "builtin:sort"}})
+    assert (cfg.model.path, cfg.data.train, cfg.data.eval) == ("s3://models/qwen", "data/train.parquet", "builtin:sort")
