@@ -10,12 +10,15 @@
 Writers: `save_dcp` (the trainer saves every checkpoint through it) and the resharder's `dcp:N`
 output, which writes `dcp/` tensor by tensor (`dcp_io`) and takes `meta.json`'s content and
 bytes from `checkpoint_meta` / `encode_meta`. Readers: `read_meta` (the resharder's source and the
-trainer's list of checkpoints), `dcp_reader` (DCP's own loader, through which the trainer resumes)
-and `load_model_weights`; the resharder reads `dcp/` with its own reader (`dcp_io`).
+trainer's list of checkpoints), `dcp_reader` and `dcp_load` (DCP's own loader, through which the
+trainer resumes, with no plain unpickling) and `load_model_weights`; the resharder reads `dcp/`
+with its own reader (`dcp_io`).
 """
 
 from __future__ import annotations
 
+import functools
+import io
 import json
 import warnings
 
@@ -73,14 +76,72 @@ def dcp_writer(url: str):
 
 
 def dcp_reader(url: str):
-    """DCP's storage reader for the `dcp/` folder at `url`."""
+    """DCP's storage reader for the `dcp/` folder at `url`, but `.metadata` is read through
+    `dcp_io.read_metadata`'s restricted unpickler: DCP's own reader unpickles it with plain
+    pickle, so a crafted file in the run directory would run code in the trainer that resumes."""
     dcp = dcp_module()
     fs, path = url_to_fs(url)
     if is_local(fs):
-        return dcp.FileSystemReader(path)
-    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+        base, arg = dcp.FileSystemReader, path
+    else:
+        from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 
-    return FsspecReader(url)
+        base, arg = FsspecReader, url
+    return _safe(base)(arg, fs=fs, folder=path)
+
+
+@functools.cache
+def _safe(base: type) -> type:
+    """`base` (a DCP file reader) with `read_metadata` replaced by the restricted one."""
+
+    class Reader(base):
+        def __init__(self, arg, *, fs, folder: str):
+            super().__init__(arg)
+            self._where = (fs, folder)
+
+        def read_metadata(self, *args, **kwargs):
+            from torch.distributed.checkpoint.metadata import StorageMeta
+
+            from .dcp_io import METADATA, read_metadata
+
+            fs, folder = self._where
+            md = read_metadata(fs, f"{folder}/{METADATA}")
+            if getattr(md, "storage_meta", None) is None:
+                md.storage_meta = StorageMeta()
+            md.storage_meta.load_id = self.load_id  # as DCP's own read_metadata does
+            return md
+
+    Reader.__name__ = Reader.__qualname__ = f"Safe{base.__name__}"
+    return Reader
+
+
+def dcp_load(state: dict, url: str) -> None:
+    """`torch.distributed.checkpoint.load` of `state` from the `dcp/` folder at `url`, with no
+    plain unpickling: `.metadata` as in `dcp_reader`, and each non-tensor entry (counters, the
+    scheduler's state: DCP stores them as `torch.save` bytes and loads them with
+    weights_only=False) checked to load with weights_only=True first."""
+    dcp = dcp_module()
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+    refused: list[str] = []
+
+    class Planner(DefaultLoadPlanner):
+        def load_bytes(self, read_item, value):
+            try:
+                torch.load(io.BytesIO(value.getvalue()), weights_only=True)
+            except Exception as e:  # noqa: BLE001 - whatever a crafted entry makes the safe loader raise
+                refused.append(f"{url}: entry {read_item.dest_index.fqn!r} holds more than plain values and "
+                               f"tensors; refusing to unpickle it ({type(e).__name__})")
+                raise ReshardError(refused[-1]) from None
+            value.seek(0)
+            super().load_bytes(read_item, value)
+
+    try:
+        dcp.load(state, storage_reader=dcp_reader(url), planner=Planner())
+    except BaseException:  # DCP's CheckpointException, which wraps what a rank raised, is a BaseException
+        if refused:
+            raise ReshardError(refused[0]) from None
+        raise
 
 
 def _metadata_names(hf_meta_dir: str) -> list[str]:
@@ -141,5 +202,5 @@ def load_model_weights(checkpoint_url: str) -> dict[str, torch.Tensor]:
     if not template:
         raise ReshardError(f"{checkpoint_url}: no '{MODEL_PREFIX}*' entries; not a trainer checkpoint")
     state = {"model": template}
-    dcp_module().load(state, storage_reader=dcp_reader(dcp_url))
+    dcp_load(state, dcp_url)
     return state["model"]

@@ -24,10 +24,9 @@ import tempfile
 from dataclasses import dataclass
 
 import torch
-import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from ..reshard.checkpoint import dcp_reader, read_meta, save_dcp
+from ..reshard.checkpoint import dcp_load, dcp_reader, read_meta, save_dcp
 from ..reshard.layout import DCP_DIR, META
 from ..rundir import RunDir
 from ..storage import list_names
@@ -152,7 +151,7 @@ def load_checkpoint(ck: Checkpoint, actor: ActorCritic, opt, sched) -> TrainerSt
     if "critic" in state and not _has_critic(ck):
         raise ValueError(f"{ck.url}: checkpoint has no critic but trainer.algorithm needs one; "
                          "resume with the algorithm it was saved with or start a new run")
-    dcp.load(state, storage_reader=dcp_reader(f"{ck.url}/{DCP_DIR}"))
+    dcp_load(state, f"{ck.url}/{DCP_DIR}")
     msd = {f"policy.{k}": v for k, v in state["model"].items()}
     msd.update({f"critic.{k}": v for k, v in state.get("critic", {}).items()})
     set_state_dict(actor, opt, model_state_dict=msd,

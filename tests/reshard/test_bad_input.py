@@ -136,3 +136,44 @@ def test_tp_manifest_pointing_outside_its_folder_is_refused(tiny, tmp_path):
         json.dump(manifest, f)
     with pytest.raises(ReshardError, match="points outside the folder"):
         reshard(tp, str(tmp_path / "out"), to="hf")
+
+
+class _Evil:
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (os.system, ("touch " + self.marker,))
+
+
+def test_dcp_metadata_that_imports_arbitrary_code_is_refused_on_resume(trainer_ckpt, tmp_path):
+    """The trainer resumes through DCP's loader, whose own reader unpickles `.metadata` as it is."""
+    from pipeline.reshard.checkpoint import load_model_weights
+
+    src = _copy(trainer_ckpt, tmp_path / "step_4")
+    with open(os.path.join(src, "dcp", ".metadata"), "wb") as f:
+        pickle.dump(_Evil(tmp_path / "pwned"), f)
+    with pytest.raises(ReshardError, match="refusing it"):
+        load_model_weights(src)
+    assert not (tmp_path / "pwned").exists()
+
+
+def test_a_dcp_entry_that_imports_arbitrary_code_is_refused_on_resume(tmp_path):
+    """Non-tensor entries (counters, scheduler state) are torch.save bytes, which DCP loads with
+    weights_only=False."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from pipeline.reshard.checkpoint import dcp_load
+
+    url = str(tmp_path / "dcp")
+    dcp.save({"w": torch.zeros(2), "trainer": {"step": 3}}, storage_writer=dcp.FileSystemWriter(url))
+    state = {"w": torch.ones(2), "trainer": {"step": 0}}
+    dcp_load(state, url)  # plain values load
+    assert state["trainer"]["step"] == 3 and torch.equal(state["w"], torch.zeros(2))
+
+    dcp.save({"w": torch.zeros(2), "trainer": {"step": _Evil(tmp_path / "pwned")}},
+             storage_writer=dcp.FileSystemWriter(str(tmp_path / "evil")))
+    with pytest.raises(ReshardError, match="'trainer.step' holds more than plain values"):
+        dcp_load({"w": torch.ones(2), "trainer": {"step": 0}}, str(tmp_path / "evil"))
+    assert not (tmp_path / "pwned").exists()
