@@ -20,6 +20,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from .config import ConfigError
+from .locations import reaching
 from .storage import parquet_from_bytes, put_atomic, url_to_fs
 
 REQUIRED = ("data_source", "prompt", "reward_model.ground_truth")
@@ -35,11 +36,13 @@ class PromptRow:
 
 
 def _read_table(url: str, field: str) -> pa.Table:
-    fs, path = url_to_fs(url)
-    if not fs.exists(path):
-        raise ConfigError(f"{field}: dataset {url!r} not found; give a Parquet file in verl's column layout")
+    with reaching(field, url):
+        fs, path = url_to_fs(url)
+        if not fs.exists(path):
+            raise ConfigError(f"{field}: dataset {url!r} not found; give a Parquet file in verl's column layout")
+        data = fs.cat_file(path)
     try:
-        return parquet_from_bytes(fs.cat_file(path))
+        return parquet_from_bytes(data)
     except (pa.ArrowInvalid, OSError) as e:
         raise ConfigError(f"{field}: {url!r} is not a readable Parquet file ({e})") from None
 

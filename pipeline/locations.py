@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import re
+from contextlib import contextmanager
 
 from .config_yaml import ConfigError
 
@@ -43,3 +44,17 @@ def validate_input_url(value: str, builtin: bool = True) -> str:
         raise ValueError(f"{value!r} is not a path or a URL of a supported store; use a path or a URL of one of "
                          f"{', '.join(INPUT_PROTOCOLS)}")
     return value
+
+
+@contextmanager
+def reaching(field: str, url: str):
+    """Errors of reaching the store of an input (a filesystem package not installed, missing
+    credentials, an unreachable endpoint) as a ConfigError naming the config field and the URL."""
+    try:
+        yield
+    except ConfigError:
+        raise
+    except ImportError as e:
+        raise ConfigError(f"{field}: reading {url!r} needs a package that is not installed ({e})") from None
+    except Exception as e:  # noqa: BLE001 - the store's own error, quoted
+        raise ConfigError(f"{field}: cannot read {url!r}: {type(e).__name__}: {e}") from None

@@ -61,6 +61,7 @@ def validate_inputs(cfg: RunConfig) -> dict:
     """Everything that can be checked without loading a model: reward, datasets, model folder."""
     from .data import load_prompts
     from .models import ships_required_code
+    from .locations import reaching
     from .rewards import check_reward_spec
     from .storage import url_to_fs
     from .tracking import require
@@ -71,10 +72,11 @@ def validate_inputs(cfg: RunConfig) -> dict:
     src = resolve_sources(cfg)
     load_prompts(src["train"], "data.train", limit=1)
     load_prompts(src["eval"], "data.eval", limit=1)
-    fs, path = url_to_fs(src["model"])
-    if not fs.exists(path.rstrip("/") + "/config.json"):
-        raise ConfigError(f"model.path: {src['model']!r} is not a Hugging Face model folder (no config.json)")
-    model_config = json.loads(fs.cat_file(path.rstrip("/") + "/config.json"))
+    with reaching("model.path", src["model"]):
+        fs, path = url_to_fs(src["model"])
+        if not fs.exists(path.rstrip("/") + "/config.json"):
+            raise ConfigError(f"model.path: {src['model']!r} is not a Hugging Face model folder (no config.json)")
+        model_config = json.loads(fs.cat_file(path.rstrip("/") + "/config.json"))
     if ships_required_code(model_config) and not cfg.model.trust_remote_code:
         raise ConfigError(f"model.path: {src['model']!r} is a {model_config.get('model_type')!r} model defined by code "
                           "in its folder (auto_map); set model.trust_remote_code: true if you trust that code")

@@ -126,7 +126,8 @@ def config_param(key: str, title: str, schema: dict | None = None) -> Param:
 
 
 def run_params(*, with_dataset: bool = True) -> dict[str, Param]:
-    """The trigger form. `with_dataset=False` for DAGs that choose their prompts themselves."""
+    """The trigger form. `with_dataset=False` for DAGs that choose their prompts and name their run
+    directories themselves (the retrain DAG: one per date), so the form offers neither."""
     from pipeline.config import RunConfig
 
     schema = RunConfig.model_json_schema()
@@ -141,8 +142,9 @@ def run_params(*, with_dataset: bool = True) -> dict[str, Param]:
                              description="fsspec URL under which run directories are created "
                                          f"(empty = ${RUNS_ROOT_ENV} of the deployment); it must lie under "
                                          f"${RUNS_ROOT_ENV} or a root of ${ALLOWED_ROOTS_ENV}"),
-        "run_name": Param("", type="string", pattern=RUN_NAME_PATTERN, title="Run name",
-                          description="Run directory name; empty = derived from the DAG run"),
+        **({"run_name": Param("", type="string", pattern=RUN_NAME_PATTERN, title="Run name",
+                              description="Run directory name; empty = derived from the DAG run")}
+           if with_dataset else {}),
         "overrides": Param({}, type="object", title="Config overrides",
                            description='Further config keys, dotted: {"trainer.kl_coef": 0.01, "sampler.temperature": 0.8}'),
     }
@@ -234,8 +236,18 @@ def config_dict(params: dict) -> dict:
     overrides = params.get("overrides") or {}
     if not isinstance(overrides, dict):
         raise ValueError("overrides: expected an object of dotted config keys, e.g. {\"trainer.lr\": 0.001}")
-    sets += [f"{k}={_yaml_scalar(v)}" for k, v in overrides.items()]
+    sets += [f"{k}={_yaml_scalar(v)}" for k, v in _dotted(overrides)]
     return apply_overrides(data, sets)
+
+
+def _dotted(overrides: dict, prefix: str = ""):
+    """(dotted key, value) of an overrides object; a nested object ({"trainer": {"kl_coef": 0.01}})
+    sets its keys one by one, merged into the section as a dotted key would be, not replacing it."""
+    for k, v in overrides.items():
+        if isinstance(v, dict) and v:
+            yield from _dotted(v, f"{prefix}{k}.")
+        else:
+            yield f"{prefix}{k}", v
 
 
 def _yaml_scalar(value: Any) -> str:

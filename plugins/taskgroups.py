@@ -180,15 +180,28 @@ def prepare_run(dag_id: str, params: dict, conf: dict | None, run_name: str, ext
         data = apply_overrides(config.model_dump(mode="json"), [f"{k}={_json(v)}" for k, v in extra.items()])
         config = parse_config(data)
     root = runs_root(params.get("storage_url") or "")
+    n_phases = int(getattr(config.trainer, "phases", 1) or 1)
+    n_epochs = int(getattr(config.trainer, "replay_epochs", 0) or 0)
+    _check_mappable({"trainer.phases": n_phases, "trainer.replay_epochs": n_epochs})
     if rerun_suffix:
         run_name = _unused_or_same(root, run_name, config)
     run = orchestration.prepare(config, run_url_for(root, run_name))
-    n_phases = int(getattr(config.trainer, "phases", 1) or 1)
-    n_epochs = int(getattr(config.trainer, "replay_epochs", 0) or 0)
     print(f"{dag_id}: run directory {run.url} ({n_phases} phases, {n_epochs} replay epochs)")
     return {"run_url": run.url, "run_id": run.run_id, "phases": list(range(n_phases)),
             "replay_epochs": list(range(n_epochs)), "samplers": list(range(config.sampler.replicas)),
             "trainer_nodes": list(range(1, config.trainer.nnodes))}
+
+
+def _check_mappable(counts: dict[str, int]) -> None:
+    """Each phase and replay epoch is a mapped task: more than Airflow's [core] max_map_length of
+    them would fail the plan task after the run directory exists. Refused here, before it does."""
+    from airflow.configuration import conf
+
+    limit = conf.getint("core", "max_map_length", fallback=1024)
+    for key, n in counts.items():
+        if n > limit:
+            raise ValueError(f"{key}={n}: each is a mapped task, and Airflow maps at most {limit} "
+                             "([core] max_map_length); use fewer")
 
 
 def _unused_or_same(root: str, run_name: str, config) -> str:

@@ -25,6 +25,16 @@ def test_form_fields_override_the_base_config_file_and_empty_fields_keep_it():
     assert cfg.run_id == "exp-1"
 
 
+def test_nested_overrides_merge_into_their_section_like_dotted_keys():
+    # a JSON body nests naturally; replacing the trainer section would drop the form's fields and the file's
+    cfg = build_config(form(config_file="tiny-grpo.yaml", steps=40, phases=2,
+                            overrides={"trainer": {"kl_coef": 0.01}, "sampler": {"vllm": {"max_model_len": 512}}}),
+                       {}, "exp-1")
+    assert (cfg.trainer.steps, cfg.trainer.phases, cfg.trainer.kl_coef) == (40, 2, 0.01)
+    assert cfg.trainer.lr == 5e-4  # tiny-grpo.yaml's
+    assert cfg.sampler.vllm == {"max_model_len": 512}
+
+
 def test_unknown_trigger_keys_are_rejected_by_name():
     with pytest.raises(ValueError, match="unknown parameter.*learning_rate"):
         build_config(form(), {"learning_rate": 1}, "exp-1")
@@ -206,3 +216,12 @@ def test_the_engine_cli_gets_the_airflow_group_from_its_entry_point():
                                       "--to-date", "2026-11-15"])
     assert args.fn.__module__ == "plugins.local.cli" and args.fn.__name__ == "cmd_backfill"
     assert args.reprocess == "completed" and args.max_active_runs == 1
+
+
+def test_more_phases_than_airflow_can_map_are_refused_before_the_run_directory_exists(tmp_path, monkeypatch):
+    from plugins.taskgroups import prepare_run
+
+    monkeypatch.setenv("RLHF_RUNS_ROOT", str(tmp_path / "runs"))
+    with pytest.raises(ValueError, match=r"trainer.phases=2000: .*max_map_length"):
+        prepare_run("rlhf_train", form(config_file="tiny-test.yaml", steps=2000, phases=2000), {}, "big")
+    assert not (tmp_path / "runs" / "big").exists()

@@ -104,3 +104,18 @@ def test_overlong_prompt_fails_fast_naming_it_when_asked():
         filter_overlong(_prompts("abc", "abcdefgh"), _CharTokenizer(), 4, "fail")
     with pytest.raises(ConfigError, match="all 1 prompts of data.train are over 2 tokens"):
         filter_overlong(_prompts("abc"), _CharTokenizer(), 2)
+
+
+@pytest.mark.parametrize("error, message", [
+    (ImportError("Please install gcsfs to access Google Storage"), "needs a package that is not installed"),
+    (RuntimeError("Unable to locate credentials"), "cannot read 'gs://b/t.parquet': RuntimeError: Unable to locate"),
+])
+def test_a_store_that_cannot_be_reached_is_a_config_error_naming_the_field(monkeypatch, error, message):
+    import pipeline.data as data
+
+    def fail(url):
+        raise error
+
+    monkeypatch.setattr(data, "url_to_fs", fail)
+    with pytest.raises(ConfigError, match=f"data.eval: .*{message}"):
+        load_prompts("gs://b/t.parquet", "data.eval")
