@@ -43,6 +43,11 @@ RUN_SLOTS = max(1, int(os.environ.get("RLHF_RUN_DEVICE_SLOTS") or 1))
 RUN_TIMEOUT = timedelta(hours=12)
 PROCESS_RETRIES = 2
 SENSOR_RETRIES = 2
+# The phase and replay-gate sensors defer as soon as prepare is done and count their timeout from
+# there, while the trainer may first wait its turn for the device pool and then take every try
+# (RUN_TIMEOUT each). A trainer that ends without their marker writes the stop marker (teardown),
+# which fails them at once; this bound is only the last resort.
+SENSOR_TIMEOUT = RUN_TIMEOUT * (PROCESS_RETRIES + 1) + timedelta(days=7)
 
 
 def policy_asset(dag_id: str) -> Asset:
@@ -69,7 +74,7 @@ def reshard(checkpoint: dict) -> dict:
 @task_group(group_id="phase")
 def phase_group(phase: int, run_url: str, poke_interval: float) -> None:
     ready = PhaseCheckpointSensor(task_id="wait_checkpoint", run_url=run_url, phase=phase,
-                                  poke_interval=poke_interval, timeout=RUN_TIMEOUT.total_seconds(),
+                                  poke_interval=poke_interval, timeout=SENSOR_TIMEOUT.total_seconds(),
                                   retries=SENSOR_RETRIES, retry_delay=timedelta(seconds=5))
     reshard(ready.output)
 
@@ -140,7 +145,7 @@ def training_run(dag_id: str, prepared, *, poke_interval: float = 5.0) -> dict:
         phase=plan(prepared, "phases"))
     gates = ReplayGateSensor.partial(
         task_id="replay_gate", run_url=run_url, poke_interval=poke_interval,
-        timeout=RUN_TIMEOUT.total_seconds(), retries=SENSOR_RETRIES, retry_delay=timedelta(seconds=5),
+        timeout=SENSOR_TIMEOUT.total_seconds(), retries=SENSOR_RETRIES, retry_delay=timedelta(seconds=5),
     ).expand(epoch=plan(prepared, "replay_epochs"))
     finalize = FinalizeRunOperator(task_id="finalize", run_url=run_url, outlets=[policy_asset(dag_id)],
                                    **device, pool_slots=RUN_SLOTS, **device_task_kwargs("finalize"),

@@ -93,10 +93,14 @@ def test_long_running_tasks_have_pool_timeout_and_resuming_retries(dag):
 
 
 def test_sensors_defer_and_retry(dag):
+    trainer = dag.get_task("trainer")
     for task_id in ("phase.wait_checkpoint", "replay_gate"):
         t = dag.get_task(task_id)
         kwargs = t.partial_kwargs if t.is_mapped else t.__dict__
         assert kwargs["retries"] >= 1
+        # they wait from prepare on: longer than every try of the trainer, whose clock starts later
+        assert kwargs.get("timeout", getattr(t, "timeout", None)) > (
+            trainer.execution_timeout * (trainer.retries + 1)).total_seconds()
 
 
 def test_train_is_manual_and_retrain_is_weekly_without_catchup():
