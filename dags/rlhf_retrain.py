@@ -45,7 +45,8 @@ with DAG(
 
         date = partition_date(context.get("logical_date"), dag_run)
         wait_for_earlier_run(context["ti"])
-        return prepare_retrain(DAG_ID, dict(params), dag_run.conf, date, runs_root(params["storage_url"]))
+        return prepare_retrain(DAG_ID, dict(params), dag_run.conf, date, runs_root(params["storage_url"]),
+                               dag_run_id=dag_run.run_id)
 
     @task(retries=1, retry_delay=timedelta(seconds=10))
     def register(finalized: dict, prepared: dict) -> dict:

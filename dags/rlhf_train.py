@@ -37,7 +37,7 @@ with DAG(
         from plugins.taskgroups import prepare_run
 
         name = params["run_name"] or run_name_from(DAG_ID, dag_run.run_id)
-        return prepare_run(DAG_ID, dict(params), dag_run.conf, name)
+        return prepare_run(DAG_ID, dict(params), dag_run.conf, name, dag_run_id=dag_run.run_id)
 
     training_run(DAG_ID, prepare())
     list(dag.tasks) >> watcher()

@@ -119,6 +119,9 @@ class RunDir:
     """Written by the trainer after its last step: {"step", "replay_epochs_skipped"}."""
     TRAINER_RENDEZVOUS_MARKER = "trainer_rendezvous"
     """Written by trainer node 0 of a multi-node trainer: {"endpoint", "time"} (`pipeline.rendezvous`)."""
+    DRIVER_MARKER = "driver"
+    """{"id"}: the orchestrator's run that drives this run directory now (in Airflow the DAG run id;
+    see `take_over`)."""
 
     @staticmethod
     def trainer_started_marker(attempt: int | None) -> str:
@@ -290,6 +293,26 @@ class RunDir:
         if int(stop["attempt"]) < int(attempt) and not self.has_marker(self.TRAINER_DONE_MARKER):
             return None
         return stop
+
+    def take_over(self, driver: str) -> list[str]:
+        """Record that `driver` (a DAG run id) now drives this run: a new DAG run that reuses the
+        directory, to resume a failed run or to rerun it at another scale. Attempts are counted per
+        DAG run (its clear count), so what another DAG run's attempts left would hold for this
+        one's of the same number: a stop that ended one of its attempts (not a final stop: a
+        user's, or the one after a finished trainer) and its `trainer_started_<n>` markers. Those
+        are removed. Nothing happens when `driver` drives the run already (a retried or cleared
+        prepare). Returns the names of the markers removed."""
+        current = self.marker(self.DRIVER_MARKER)
+        if current is not None and current.get("id") == driver:
+            return []
+        removed = [n for n in self.markers() if n.startswith("trainer_started_")]
+        stop = self.marker(self.STOP_MARKER)
+        if stop is not None and stop.get("attempt") is not None and not self.has_marker(self.TRAINER_DONE_MARKER):
+            removed.append(self.STOP_MARKER)
+        for name in removed:
+            self.delete_marker(name)
+        self.set_marker(self.DRIVER_MARKER, {"id": driver})
+        return removed
 
     def stop_requested(self, attempt: int | None = None) -> bool:
         if attempt is None:

@@ -69,7 +69,8 @@ def wait_for_earlier_run(ti, poll_s: float = 5.0, timeout_s: float = 12 * 3600) 
         state = ti.get_dagrun_state(previous.dag_id, previous.run_id)
 
 
-def prepare_retrain(dag_id: str, params: dict, conf: dict | None, date: str, runs_root: str) -> dict:
+def prepare_retrain(dag_id: str, params: dict, conf: dict | None, date: str, runs_root: str,
+                    dag_run_id: str | None = None) -> dict:
     from plugins.dag_params import check_conf_keys, storage_root
     from plugins.registry import PolicyRegistry
     from plugins.taskgroups import prepare_run
@@ -88,7 +89,7 @@ def prepare_retrain(dag_id: str, params: dict, conf: dict | None, date: str, run
         extra["model.path"] = previous["policy_url"]
     start = previous["policy_url"] if previous else "the form's model"
     print(f"{date}: {rows} prompts from {prompts_root}/ds={date}; starting from {start}")
-    out = prepare_run(dag_id, params, None, run_name, extra, rerun_suffix=True)
+    out = prepare_run(dag_id, params, None, run_name, extra, rerun_suffix=True, dag_run_id=dag_run_id)
     return {**out, "date": date, "start_policy": previous["policy_url"] if previous else None}
 
 

@@ -163,14 +163,15 @@ def training_run(dag_id: str, prepared, *, poke_interval: float = 5.0) -> dict:
 
 
 def prepare_run(dag_id: str, params: dict, conf: dict | None, run_name: str, extra: dict | None = None,
-                *, rerun_suffix: bool = False) -> dict:
+                *, rerun_suffix: bool = False, dag_run_id: str | None = None) -> dict:
     """Body of a DAG's prepare task: the form -> a validated config -> `orchestration.prepare` (run
     directory, prompts, policy v0) -> the XCom the graph is mapped over.
 
     `extra` holds config keys the DAG decides itself (e.g. the retrain's dated prompts), applied
     over the form. Idempotent: a retried prepare finds the same run directory and config. With
     `rerun_suffix`, a run directory `run_name` that holds another config (the same date rerun with
-    other parameters) is kept, and the run goes to `run_name-2`, `-3`, ... instead.
+    other parameters) is kept, and the run goes to `run_name-2`, `-3`, ... instead. `dag_run_id`:
+    the DAG run that drives the run directory from now on (`RunDir.take_over`).
     """
     from pipeline import orchestration
     from pipeline.config_yaml import apply_overrides
@@ -191,6 +192,10 @@ def prepare_run(dag_id: str, params: dict, conf: dict | None, run_name: str, ext
     if rerun_suffix:
         run_name = _unused_or_same(root, run_name, config)
     run = orchestration.prepare(config, run_url_for(root, run_name))
+    if dag_run_id is not None:
+        removed = run.take_over(dag_run_id)
+        if removed:
+            print(f"{dag_id}: {run.url} was driven by another DAG run; its markers {', '.join(removed)} removed")
     print(f"{dag_id}: run directory {run.url} ({n_phases} phases, {n_epochs} replay epochs)")
     return {"run_url": run.url, "run_id": run.run_id, "phases": list(range(n_phases)),
             "replay_epochs": list(range(n_epochs)), "samplers": list(range(config.sampler.replicas)),

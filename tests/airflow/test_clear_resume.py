@@ -94,6 +94,29 @@ def test_a_users_stop_and_the_stop_after_a_finished_trainer_hold_for_every_attem
     assert run.stop_requested(3) and run.marker("stop")["attempt"] is None
 
 
+def test_a_new_dag_run_on_the_same_run_directory_resumes_it_where_another_one_failed(run):
+    """A DAG run's attempts count from 0: a second DAG run with the same run name (to resume, or to
+    rerun at another scale) would take the first one's stop for its own attempt 0."""
+    assert run.take_over("manual__A") == []  # a fresh directory
+    run.set_marker(RunDir.trainer_started_marker(0), {"attempt": 0})
+    failed_attempt(run, 0)
+    assert run.take_over("manual__A") == []  # the same DAG run's prepare again: its markers stay
+    assert run.stop_requested(0) and run.has_marker("trainer_started_0")
+    assert sorted(run.take_over("manual__B")) == ["stop", "trainer_started_0"]
+    assert not run.stop_requested(0) and not run.has_marker("trainer_started_0")
+
+
+@pytest.mark.parametrize("stop", ["user", "trainer finished"])
+def test_a_final_stop_holds_for_a_new_dag_run_too(run, stop):
+    if stop == "user":
+        run.request_stop("stopped by hand", by="alice")
+    else:
+        run.set_marker("trainer_done", {"step": 4})
+        _stop_sampler(run.url, dag_run=FakeDagRun(0))
+    run.take_over("manual__B")
+    assert run.stop_requested(0)
+
+
 def test_a_cleared_task_removes_the_stale_stop_before_its_process_starts(run):
     failed_attempt(run, 0)
     QuickRole(task_id="trainer", role="trainer", run_url=run.url).execute(context(1, try_number=2))
