@@ -9,6 +9,8 @@ scanning ids. Decoding checks the schema version first: a newer version is a har
 from __future__ import annotations
 
 import io
+import logging
+import time
 import uuid
 
 import numpy as np
@@ -19,6 +21,8 @@ import pyarrow.parquet as pq
 from ..locations import validate_name
 from ..storage import is_local, join, parquet_from_bytes, put_atomic, read_bytes, write_local
 from .schema import ROLLOUT_SCHEMA, SCHEMA_VERSION, SCHEMA_VERSION_KEY, SchemaError, check_schema
+
+log = logging.getLogger(__name__)
 
 class CorruptShard(ValueError):
     """A committed shard that cannot be read as rollouts (truncated, corrupt, wrong schema)."""
@@ -92,18 +96,31 @@ def policy_range(table: pa.Table) -> tuple[int, int]:
     return int(mm["min"].as_py()), int(mm["max"].as_py())
 
 
+READ_TRIES = 3
+"""Tries of reading a shard's bytes when storage fails (a connection reset, NFS's ESTALE)."""
+
+
 def read_shard(fs, root: str, rel: str, data: bytes | None = None) -> pa.Table:
     """A committed shard as a table in ROLLOUT_SCHEMA (parsed from `data` when given: its bytes,
     from a local copy). Raises SchemaError for a newer schema version, CorruptShard for anything
-    else that is wrong with the file."""
+    else that is wrong with the file's content. Storage that fails to deliver the bytes is not bad
+    content: the read is tried READ_TRIES times, then its OSError is raised as it is (the process
+    fails and resumes, and the shard is not quarantined); FileNotFoundError at once."""
     path = join(root, rel)
+    for attempt in range(READ_TRIES):
+        if data is not None:
+            break
+        try:
+            data = read_bytes(fs, path)
+        except FileNotFoundError:
+            raise
+        except OSError as e:
+            if attempt + 1 == READ_TRIES:
+                raise
+            log.warning("reading shard %s failed (%s); trying again", path, e)
+            time.sleep(0.5 * 2 ** attempt)
     try:
-        if data is not None or not is_local(fs):
-            table = parquet_from_bytes(read_bytes(fs, path) if data is None else data)
-        else:
-            table = pq.read_table(path)
-    except FileNotFoundError:
-        raise
+        table = parquet_from_bytes(data)
     except (pa.ArrowInvalid, pa.ArrowException, OSError, ValueError) as e:
         raise CorruptShard(f"{path}: unreadable Parquet ({e})") from None
     meta = table.schema.metadata or {}

@@ -201,3 +201,35 @@ def test_on_object_storage_a_reader_beside_the_writer_takes_the_shards_from_its_
     rest, _ = reader.read_fresh(cursor, 6)
     assert rest.column("sample_id").to_pylist() == pa.concat_tables(shards[1:]).column("sample_id").to_pylist()
     assert [p.rsplit("/", 1)[-1] for p in downloads] == [info.path.rsplit("/", 1)[-1]]
+
+
+def test_storage_that_fails_to_deliver_a_shard_is_not_bad_data(tmp_path, small_config, monkeypatch):
+    """A connection reset or NFS's ESTALE while a shard is read: tried again, and if it persists the
+    read fails as it is; the shard is never quarantined, so the process that resumes reads it.
+    (On local disk: a buffer on S3 reads the shards this process wrote from its local copies.)"""
+    import pipeline.buffer.shards as shards
+
+    buffer_url = f"file://{tmp_path}/buffer"
+
+    monkeypatch.setattr(shards.time, "sleep", lambda s: None)
+    buf = ReplayBuffer(buffer_url, small_config)
+    _write(buf, "w0", [make_groups(f"s{i}", 2, seed=i) for i in range(3)])
+    real, calls = shards.read_bytes, {"n": 0}
+
+    def flaky(fs, path, fails):
+        calls["n"] += 1
+        if calls["n"] <= fails:
+            raise ConnectionResetError(104, "Connection reset by peer")
+        return real(fs, path)
+
+    monkeypatch.setattr(shards, "read_bytes", lambda fs, path: flaky(fs, path, fails=1))
+    table, _ = ReplayBuffer(buffer_url, small_config).read_fresh(None, 100)
+    assert table.num_rows == 3 * 2 * 4  # every group, after one failed try
+
+    calls["n"] = 0
+    monkeypatch.setattr(shards, "read_bytes", lambda fs, path: flaky(fs, path, fails=shards.READ_TRIES))
+    with pytest.raises(ConnectionResetError):
+        ReplayBuffer(buffer_url, small_config).read_fresh(None, 100)
+    monkeypatch.setattr(shards, "read_bytes", real)
+    fresh = ReplayBuffer(buffer_url, small_config)
+    assert fresh.stats()["quarantined"] == {} and fresh.read_fresh(None, 100)[0].num_rows == 3 * 2 * 4
