@@ -271,7 +271,7 @@ class BufferConfig(_Section):
     priority_eps: float = Field(1e-3, gt=0)
     """Added to every priority so that no eligible group has zero probability."""
     l1_max_rows: int = Field(1_000_000, gt=0)
-    """L1 bound: consumed shards are archived to L3 first; unconsumed data is never dropped, the rate limiter blocks inserts instead."""
+    """L1 bound on rows not yet consumed: they are never dropped, the sampler waits for the trainer instead. Consumed shards stay in L1 until compaction archives them into L3 (the run's finalize, or `rlhf buffer compact`)."""
     l2_max_groups: int = Field(50_000, gt=0)
     """L2 bound: groups that used up their replays go first, then the oldest shards (FIFO)."""
     l3_max_rows: int | None = None

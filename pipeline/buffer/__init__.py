@@ -10,8 +10,9 @@
 Tiers and their bounds (BufferConfig):
 
 - L1 hot: every group consumed once, in commit order, from a cursor the trainer checkpoints
-  (`read_fresh`). Bound `l1_max_rows`: consumed shards leave L1 by compaction into L3; unconsumed
-  data is never dropped — the rate limiter (ratelimit.py) makes the sampler wait instead.
+  (`read_fresh`). Bound `l1_max_rows` on the rows not yet consumed: never dropped — the rate
+  limiter (ratelimit.py) makes the sampler wait instead. Consumed shards leave L1 by compaction
+  into L3 (`compact`: the run's finalize, or the CLI).
 - L2 warm: consumed groups that pass the quality filter (`promote`), drawn by proportional
   prioritized replay with importance weights (`sample_replay`, `update_priorities`) up to
   `max_replays_per_group` times. Bound `l2_max_groups`: shards whose groups used up their replays

@@ -7,8 +7,10 @@ Three bounds, each off unless configured (`BufferConfig`):
   `(inserts + n) * spi - samples <= rate_error_groups * spi`, so over time every inserted group is
   sampled about `spi` times.
 - `max_fresh_backlog`: at most this many L1 groups committed and not yet consumed.
-- `l1_max_rows`: the L1 tier never drops unconsumed data; when it is full the sampler waits for the
-  trainer to consume and for compaction to archive.
+- `l1_max_rows`: at most this many rows of L1 not yet consumed (the shard the consumer is in counts
+  whole); L1 never drops them, the sampler waits for the trainer instead. Consumed shards stay in L1
+  until compaction archives them into L3 (the run's finalize, or `rlhf buffer compact`), so a long
+  run never waits on a compaction nothing runs while it trains.
 
 Consumption is what the trainer records in the log (`promote(..., cursor=...)` or
 `mark_consumed`); a trainer that records nothing makes the first two bounds block for ever, which is
@@ -56,16 +58,16 @@ class RateLimiter:
                         f"(slack {cfg.rate_error_groups} groups)")
         if cfg.max_fresh_backlog is not None and inserted - consumed + groups > cfg.max_fresh_backlog:
             return f"max_fresh_backlog={cfg.max_fresh_backlog}: {inserted - consumed} groups not yet consumed"
-        l1_rows = _l1_rows(st)
+        l1_rows = _unconsumed_l1_rows(st, self.consumer)
         if l1_rows >= cfg.l1_max_rows:
-            return f"l1_max_rows={cfg.l1_max_rows}: L1 holds {l1_rows} rows; waiting for consumption and compaction"
+            return f"l1_max_rows={cfg.l1_max_rows}: L1 holds {l1_rows} rows not yet consumed; waiting for the trainer"
         return None
 
     def l1_full(self) -> bool:
         """Whether the `l1_max_rows` bound holds inserts, as of this process's last refresh (no
-        request): until compaction archives consumed shards, which goes by the consumer's record."""
+        request): until the consumer records that it read on."""
         with self.buffer.current_state(False) as st:
-            return _l1_rows(st) >= self.buffer.config.l1_max_rows
+            return _unconsumed_l1_rows(st, self.consumer) >= self.buffer.config.l1_max_rows
 
     def wait_to_insert(self, groups: int, timeout_s: float | None = None, poll_s: float = 0.2,
                        should_stop: Callable[[], bool] | None = None) -> float:
@@ -81,5 +83,9 @@ class RateLimiter:
             time.sleep(poll_s)
 
 
-def _l1_rows(st) -> int:
-    return sum(st.shards[st.l1_by_seq[s]].rows for s in st.l1_seqs)
+def _unconsumed_l1_rows(st, consumer: str) -> int:
+    """Rows of the L1 shards from the one `consumer`'s recorded cursor is in (all of them before it
+    records one)."""
+    cursor = st.consumed.get(consumer)
+    first = int(cursor["seq"]) if cursor is not None else -1
+    return sum(st.shards[st.l1_by_seq[s]].rows for s in st.l1_seqs if s >= first)

@@ -101,8 +101,7 @@ class ConsumedMarks:
     A rate-limiter bound that reads it (`bounds_consumer_progress`) gets it after every step.
     Otherwise it is recorded at most every MARK_EVERY_S, at every checkpoint, at the end of the
     loop, and while the trainer waits for fresh groups with L1 at its `l1_max_rows` bound (a
-    sampler held back there waits for compaction, which archives only what this record says was
-    consumed): each mark is a commit, on object storage a write for the trainer and a read for
+    sampler held back there waits for this record to move on): each mark is a commit, on object storage a write for the trainer and a read for
     every other process of the run, and one more round for a sampler whose commit it got in
     before. Compaction then sees the trainer's progress up to MARK_EVERY_S later; a resumed
     trainer starts from its checkpoint's cursor either way."""

@@ -136,9 +136,8 @@ def test_consumption_is_recorded_every_few_seconds_and_at_a_flush_unless_a_bound
 
 
 def test_a_waiting_trainer_records_what_it_consumed_once_l1_is_at_its_bound(clock):
-    """A sampler held back by the `l1_max_rows` bound waits for compaction, which archives only what
-    the trainer recorded as consumed: a trainer that waited without recording it would wait for
-    ever. Short of that bound a wait records nothing (each record is a commit, a request on object
+    """A sampler held back by the `l1_max_rows` bound (rows not yet consumed) waits for the trainer
+    to record what it consumed: a trainer that waited without recording it would wait for ever. Short of that bound a wait records nothing (each record is a commit, a request on object
     stores, that the sampler's next commit then has to catch up with)."""
     from pipeline.config import BufferConfig
 
