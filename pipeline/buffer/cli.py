@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import sys
+from contextlib import contextmanager
 
 from ..config import BufferConfig, ConfigError
 
@@ -38,8 +39,22 @@ def _print(obj) -> None:
     print(json.dumps(obj, indent=1, sort_keys=True, default=str))
 
 
+@contextmanager
+def _one_line(url: str):
+    """A log from a newer version, a damaged log or a shard of a newer schema: one line (exit 2),
+    not a traceback."""
+    from .logfiles import CorruptLog, UnsupportedLogFormat
+    from .schema import SchemaError
+
+    try:
+        yield
+    except (CorruptLog, UnsupportedLogFormat, SchemaError) as e:
+        raise ConfigError(f"buffer {url}: {e}") from None
+
+
 def cmd_stats(args) -> int:
-    _print(open_buffer(args.url).stats(current_version=args.current_version))
+    with _one_line(args.url):
+        _print(open_buffer(args.url).stats(current_version=args.current_version))
     return 0
 
 
@@ -54,12 +69,14 @@ def cmd_verify(args) -> int:
 
 
 def cmd_compact(args) -> int:
-    _print(open_buffer(args.url).compact(everything=args.all))
+    with _one_line(args.url):
+        _print(open_buffer(args.url).compact(everything=args.all))
     return 0
 
 
 def cmd_vacuum(args) -> int:
-    _print(open_buffer(args.url).vacuum(grace_s=args.grace_s, log_retention_s=args.log_retention_s))
+    with _one_line(args.url):
+        _print(open_buffer(args.url).vacuum(grace_s=args.grace_s, log_retention_s=args.log_retention_s))
     return 0
 
 

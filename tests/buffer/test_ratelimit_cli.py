@@ -177,3 +177,17 @@ def test_rlhf_console_buffer_verify_of_a_missing_path_exits_non_zero_with_one_li
     assert out.returncode != 0 and out.stdout == ""
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and f"{tmp_path}/nonexistent" in lines[0]
+
+
+@pytest.mark.parametrize("cmd", ["stats", "compact", "vacuum"])
+def test_buffer_commands_on_a_log_from_a_newer_version_fail_in_one_line(tmp_path, cmd):
+    from pipeline.buffer.logfiles import LOG_DIR, entry_name, seal, unseal
+    from pipeline.config import ConfigError
+
+    url = str(tmp_path / "buffer")
+    _write(ReplayBuffer(url), 2)
+    entry = tmp_path / "buffer" / LOG_DIR / entry_name(2)
+    doc = unseal(entry.read_bytes())
+    entry.write_bytes(seal({**doc, "actions": doc["actions"] + [{"op": "split_shard"}]}))
+    with pytest.raises(ConfigError, match=f"buffer {url}: .*'split_shard'.*upgrade"):
+        rlhf(["buffer", cmd, url])
