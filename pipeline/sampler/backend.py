@@ -75,8 +75,10 @@ class SamplerBackend(ABC):
         """For each prompt (token ids), `n` completions (one when `params.greedy`), in prompt order.
 
         Prompt i of this call is seeded with `base + i`, where base is `params.seed` when given and
-        otherwise `call_seed` of this call's number; the samples of a prompt do not depend on how the call
-        was split into engine calls.
+        otherwise `call_seed` of this call's number. With vllm (a seed per request) the samples of a
+        prompt do not depend on how the call was split into engine calls; with hf, one generator
+        serves each engine call, seeded by its first prompt, so they do: the split follows from the
+        config (`sampler.max_batch_tokens`), except a call halved after running out of memory.
         """
         if not prompts:
             return []

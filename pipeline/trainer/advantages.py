@@ -68,12 +68,20 @@ def rloo_advantages(rewards: torch.Tensor, group_index: torch.Tensor, **_) -> to
 
 
 @register("reinforce_pp")
-def reinforce_pp_advantages(rewards: torch.Tensor, group_index: torch.Tensor, eps: float = 1e-6, **_) -> torch.Tensor:
-    """REINFORCE++ (with group baseline): r - mean_group(r), then whitened over the whole batch."""
+def reinforce_pp_advantages(rewards: torch.Tensor, group_index: torch.Tensor, eps: float = 1e-8,
+                            response_tokens: torch.Tensor | None = None, **_) -> torch.Tensor:
+    """REINFORCE++-baseline (arXiv 2501.03262, eq. 10): r - mean_group(r), whitened over every
+    response token of the batch, as verl and OpenRLHF do: each sequence's value counts once per
+    response token (`response_tokens` [B]; None: once per sequence). Whitened per sequence
+    instead, the group-centred values (mean 0) would only be rescaled: Dr. GRPO up to a constant."""
     centred = grpo_advantages(rewards, group_index, std_normalize=False)
-    if centred.numel() < 2:
+    w = torch.ones_like(centred) if response_tokens is None else response_tokens.to(centred).clamp_min(0)
+    n = float(w.sum())
+    if n < 2:
         return centred
-    return (centred - centred.mean()) / (centred.std(unbiased=True) + eps)
+    mean = (w * centred).sum() / n
+    var = (w * (centred - mean) ** 2).sum() / n * (n / (n - 1))  # unbiased, as verl's masked_whiten
+    return (centred - mean) * torch.rsqrt(var + eps)
 
 
 def token_rewards(rewards: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -5,7 +5,7 @@
 | grpo          | group-normalised reward (std on/off by `std_normalize`) | no |
 | dr_grpo       | group-centred reward, no std (Dr. GRPO)    | no     |
 | rloo          | leave-one-out baseline                     | no     |
-| reinforce_pp  | group-centred, whitened over the batch     | no     |
+| reinforce_pp  | group-centred, whitened over the batch's response tokens | no |
 | ppo           | token-level GAE or V-trace from a value head | yes  |
 
 Every algorithm uses the same policy loss (`losses.policy_loss`): the decoupled clipped objective

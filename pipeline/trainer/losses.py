@@ -119,13 +119,20 @@ def kl_k1(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
     return logprobs - ref_logprobs
 
 
+def kl_k2(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
+    """Per-token k2 estimator of KL(pi || ref): 0.5 (logp - ref)^2 (>= 0, biased). As a loss, on
+    tokens sampled from pi, its expected gradient is exactly that of KL(pi || ref) (Tang & Munos
+    2025, arXiv 2506.09477): the penalty that keeps the policy near the reference."""
+    return 0.5 * (logprobs - ref_logprobs) ** 2
+
+
 def kl_k3(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
     """Per-token k3 estimator of KL(pi || ref): exp(ref - logp) - (ref - logp) - 1 (>= 0, unbiased)."""
     d = (ref_logprobs - logprobs).clamp(-20, 20)
     return torch.exp(d) - d - 1
 
 
-KL_ESTIMATORS = {"k1": kl_k1, "k3": kl_k3}
+KL_ESTIMATORS = {"k1": kl_k1, "k2": kl_k2, "k3": kl_k3}
 
 
 def value_loss(values: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -68,6 +68,12 @@ def kept_rows(batch: TrainBatch, seq_adv: torch.Tensor, rows: str) -> torch.Tens
     return torch.nonzero(keep).flatten()
 
 
+def group_advantages(batch: TrainBatch, algo, tc: TrainerConfig) -> torch.Tensor:
+    """The sequence advantage [B] of each row of `batch` under `algo`'s group estimator."""
+    return ADVANTAGES[algo.advantage](batch.rewards, batch.group_index, std_normalize=tc.std_normalize,
+                                      response_tokens=batch.mask.sum(-1))
+
+
 def replayable(batch: TrainBatch, tc: TrainerConfig) -> torch.Tensor | None:
     """Rows (bool [B]) of the groups of a fresh batch that a replay can train on: with
     `trainer.replay_rows` positive or best, those of the groups that have a row `kept_rows`
@@ -76,7 +82,7 @@ def replayable(batch: TrainBatch, tc: TrainerConfig) -> torch.Tensor | None:
     algo = get_algorithm(tc.algorithm)
     if tc.replay_rows == "all" or algo.advantage is None:
         return None
-    adv = ADVANTAGES[algo.advantage](batch.rewards, batch.group_index, std_normalize=tc.std_normalize)
+    adv = group_advantages(batch, algo, tc)
     rows = kept_rows(batch, adv, tc.replay_rows)
     return torch.isin(batch.group_index, batch.group_index[rows])
 
@@ -327,7 +333,7 @@ def train_step(actor: ActorCritic, ref, opt, batch: TrainBatch, tc: TrainerConfi
     algo = get_algorithm(tc.algorithm)
     seq_adv = None
     if algo.advantage is not None:
-        seq_adv = ADVANTAGES[algo.advantage](batch.rewards, batch.group_index, std_normalize=tc.std_normalize)
+        seq_adv = group_advantages(batch, algo, tc)
     kept = None
     if rows != "all":
         if seq_adv is None:

@@ -70,3 +70,25 @@ def test_k3_kl_is_zero_for_identical_policies_and_positive_otherwise():
     assert torch.allclose(kl_k3(lp, lp), torch.zeros(2))
     d = 0.3
     assert math.isclose(kl_k3(torch.tensor([0.0]), torch.tensor([d])).item(), math.exp(d) - d - 1, rel_tol=1e-6)
+
+
+def test_as_a_loss_k2_pulls_toward_the_reference_with_the_gradient_of_kl_pi_ref_and_k3_of_kl_ref_pi():
+    """The expected gradient over tokens drawn from pi (arXiv 2506.09477), exactly, on one categorical."""
+    from pipeline.trainer.losses import KL_ESTIMATORS
+
+    torch.manual_seed(0)
+    theta = torch.randn(6, requires_grad=True)
+    ref = torch.log_softmax(torch.randn(6), -1)
+
+    def expected_grad(f):
+        logp = torch.log_softmax(theta, -1)
+        return torch.autograd.grad((logp.exp().detach() * f(logp, ref)).sum(), theta)[0]
+
+    def grad_of(kl):
+        return torch.autograd.grad(kl(torch.log_softmax(theta, -1)), theta)[0]
+
+    reverse = grad_of(lambda lp: (lp.exp() * (lp - ref)).sum())    # KL(pi || ref)
+    forward = grad_of(lambda lp: (ref.exp() * (ref - lp)).sum())    # KL(ref || pi)
+    assert torch.allclose(expected_grad(KL_ESTIMATORS["k2"]), reverse, atol=1e-6)
+    assert torch.allclose(expected_grad(KL_ESTIMATORS["k3"]), forward, atol=1e-6)
+    assert torch.allclose(expected_grad(KL_ESTIMATORS["k1"]), torch.zeros(6), atol=1e-6)

@@ -17,13 +17,18 @@ def test_rloo_is_reward_minus_mean_of_the_others():
     assert torch.allclose(adv, torch.tensor([1 - 0.25, 0 - 0.75, 0.5 - 0.5, 2 - 4.0, 4 - 2.0]))
 
 
-def test_dr_grpo_is_centred_reward_and_reinforce_pp_whitens_over_the_batch():
+def test_dr_grpo_is_centred_reward_and_reinforce_pp_whitens_over_the_batchs_response_tokens():
     r = torch.tensor([1.0, 0.0, 3.0, 1.0])
     g = torch.tensor([0, 0, 1, 1])
     assert ADVANTAGES["dr_grpo"](r, g).tolist() == [0.5, -0.5, 1.0, -1.0]
+    # verl's REINFORCE++-baseline: the centred value on each response token, whitened over all of them
+    lengths = torch.tensor([3, 20, 4, 30])
     c = torch.tensor([0.5, -0.5, 1.0, -1.0])
-    expected = (c - c.mean()) / (c.std(unbiased=True) + 1e-6)
-    assert torch.allclose(ADVANTAGES["reinforce_pp"](r, g), expected)
+    tokens = torch.repeat_interleave(c, lengths)
+    expected = (c - tokens.mean()) * torch.rsqrt(tokens.var(unbiased=True) + 1e-8)
+    adv = ADVANTAGES["reinforce_pp"](r, g, response_tokens=lengths)
+    assert torch.allclose(adv, expected)
+    assert not torch.allclose(adv / adv.abs().max(), c / c.abs().max())  # not Dr. GRPO rescaled
 
 
 def test_every_registered_algorithm_is_a_config_choice():
