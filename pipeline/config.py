@@ -288,8 +288,8 @@ class BufferConfig(_Section):
     """Rate limiter: the sampler waits while more than this many L1 groups are unconsumed (None: only l1_max_rows)."""
     orphan_grace_s: float = Field(3600.0, ge=0)
     """vacuum deletes unreferenced files only when older than this (a writer may be about to commit them)."""
-    log_retention_s: float = Field(7 * 86400.0, ge=0)
-    """vacuum deletes log entries covered by a checkpoint once older than this."""
+    log_retention_s: float = Field(7 * 86400.0, ge=3600)
+    """vacuum deletes log entries covered by a checkpoint once older than this (at least an hour: a process idle for ten minutes catches up before it commits, and one whose next entry was deleted would commit where no reader looks)."""
 
 
 class EvalConfig(_Section):

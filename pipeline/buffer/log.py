@@ -56,6 +56,10 @@ _REMOTE_PROBE = 8  # most entries read in parallel when catching up on remote st
 _CONTENDED_APPENDS = 16  # appends that use and update the tip hint after one another appender wrote
 _BACKOFF_MAX = 8  # after a lost race on remote storage, wait up to this many round trips (times misses)
 _BLIND_TRIES = 4  # lost add-only races before catching up with the log instead of trying the next number
+STALE_VIEW_S = 600.0
+"""A process that has neither read nor written the log for this long catches up before it commits:
+log retention (vacuum, at least `vacuum.MIN_LOG_RETENTION_S`) may have deleted the entries after its
+view, and a create-only write of one of those numbers would succeed where no reader ever looks."""
 
 
 class CommitLog:
@@ -73,6 +77,7 @@ class CommitLog:
         self.pointer_check_interval_s = 5.0  # how often a reader that sees no new entry checks retention
         self._last_pointer_check = 0.0
         self._opened = False
+        self._seen = time.monotonic()  # when this view was last brought up to date (read or written)
         self._tip = 0  # highest version this process knows to exist (its own blind appends included)
         self._own: dict[int, LogEntry] = {}  # entries this process appended past its state: not read back
         # object stores: every request is a round trip, so contending writers share a tip hint
@@ -197,6 +202,7 @@ class CommitLog:
         wanted, end = self._notices.poll(self.state.version) if poll and self._notices is not None else (True, None)
         if not wanted:
             return []
+        self._seen = time.monotonic()
         applied = self._probe(self.state.version + 1, end)
         for entry in applied:
             self.state.apply(entry)
@@ -266,6 +272,9 @@ class CommitLog:
             raise TypeError(f"commit: {bad[0]!r} is not a log action; build one from pipeline.buffer.actions")
         if not self._opened:
             self.open()
+        elif time.monotonic() - self._seen > STALE_VIEW_S:
+            self._last_pointer_check = float("-inf")  # see STALE_VIEW_S
+            self.refresh()
         writer = self.writer if writer is None else writer
         if precondition is None and all(isinstance(a, AddShard) for a in actions):
             return self._append(actions, writer)
@@ -277,6 +286,7 @@ class CommitLog:
             data = seal(entry.to_json())
             if put_if_absent(self.fs, join(self.dir, entry_name(entry.version)), data, self.fsync):
                 self.state.apply(entry)
+                self._seen = time.monotonic()
                 if self._notices is not None:
                     self._notices.committed(entry.version, writer, data)
                 self._maybe_checkpoint(entry.version)
@@ -328,6 +338,7 @@ class CommitLog:
             else:
                 v += 1
         self._tip = v
+        self._seen = time.monotonic()
         if self._notices is not None:
             self._notices.committed(v, writer, data)
         if publish:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
+from ..config_yaml import ConfigError
 from ..storage import delete, join, list_files
 from .logfiles import LOG_DIR, POINTER, CorruptLog, UnsupportedLogFormat, checkpoint_name, entry_name
 from .schema import SchemaError
@@ -25,12 +26,21 @@ if TYPE_CHECKING:
 DATA_DIRS = ("l1", "l2", "l3")
 
 
+MIN_LOG_RETENTION_S = 3600.0
+"""Log entries younger than this are never deleted: a committer that has been idle catches up
+before it commits only after `log.STALE_VIEW_S`, and one whose next number was deleted would
+write it where no reader looks."""
+
+
 def vacuum(buf: "ReplayBuffer", grace_s: float | None = None, log_retention_s: float | None = None,
            now: float | None = None) -> dict:
     """Delete unreferenced data files and log entries covered by a checkpoint. Returns counts."""
     cfg = buf.config
     grace = cfg.orphan_grace_s if grace_s is None else grace_s
     log_retention = cfg.log_retention_s if log_retention_s is None else log_retention_s
+    if log_retention < MIN_LOG_RETENTION_S:
+        raise ConfigError(f"log retention {log_retention:g} s: log entries are kept at least "
+                         f"{MIN_LOG_RETENTION_S:g} s (a process idle for less may still commit after them)")
     now = time.time() if now is None else now
     st = buf.refresh()
     keep = set(st.shards) | set(st.quarantined)

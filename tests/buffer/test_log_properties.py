@@ -406,7 +406,8 @@ def test_verify_reports_a_checkpoint_that_disagrees_with_its_entries(original, l
     assert any(checkpoint_name(9) in p and "differs from the state its entries give" in p for p in problems)
 
 
-def test_vacuum_keeps_the_entries_under_a_checkpoint_it_cannot_read(original, log_copy):
+def test_vacuum_keeps_the_entries_under_a_checkpoint_it_cannot_read(original, log_copy, monkeypatch):
+    monkeypatch.setattr("pipeline.buffer.vacuum.MIN_LOG_RETENTION_S", 0.0)
     url, d = log_copy
     _write(os.path.join(d, checkpoint_name(9)), b"")
     buf = ReplayBuffer(url, CONFIG)

@@ -8,6 +8,7 @@ import pyarrow.parquet as pq
 import pytest
 from rollout_factory import make_groups
 
+import pipeline.buffer.vacuum as vacuum_module
 from pipeline.buffer import ReplayBuffer
 from pipeline.buffer.schema import SCHEMA_VERSION_KEY, SchemaError
 from pipeline.buffer.shards import encode, new_shard_path, write_shard
@@ -97,7 +98,8 @@ def test_killed_writer_leftovers_are_invisible_and_collected_after_grace(buffer_
     assert buf.read_fresh(None, 10)[0].num_rows == 8
 
 
-def test_vacuum_deletes_compacted_inputs_and_old_log_entries_and_reopening_still_works(buffer_url):
+def test_vacuum_deletes_compacted_inputs_and_old_log_entries_and_reopening_still_works(buffer_url, monkeypatch):
+    monkeypatch.setattr(vacuum_module, "MIN_LOG_RETENTION_S", 0.0)  # entries as old as an hour later
     buf = _buf(buffer_url)
     with buf.writer("w") as w:
         for i in range(12):
@@ -129,7 +131,8 @@ def test_verify_reports_every_problem_with_its_path(buffer_url):
     assert p1 in text and "unreadable" in text
 
 
-def test_reader_far_behind_log_retention_reloads_the_checkpoint(buffer_url):
+def test_reader_far_behind_log_retention_reloads_the_checkpoint(buffer_url, monkeypatch):
+    monkeypatch.setattr(vacuum_module, "MIN_LOG_RETENTION_S", 0.0)  # entries as old as an hour later
     buf = _buf(buffer_url)
     _write(buf, ["a"])
     behind = _buf(buffer_url)
@@ -212,3 +215,26 @@ def test_missing_committed_shard_is_quarantined_but_a_compacted_one_is_skipped(b
     info = stale.state.shards[p0]
     assert stale.load_shard(info) is None
     assert p0 not in stale.stats()["quarantined"]
+
+
+def test_a_committer_idle_past_log_retention_catches_up_before_it_commits(buffer_url, monkeypatch):
+    """Vacuum deleted the entries after an idle trainer's view: its commit must not take one of
+    their numbers, where no reader looks (readers start from the newest checkpoint)."""
+    import pipeline.buffer.log as log_module
+    from pipeline.config import ConfigError
+
+    with pytest.raises(ConfigError, match="log entries are kept at least 3600"):
+        _buf(buffer_url).vacuum(grace_s=0, log_retention_s=0)
+    monkeypatch.setattr(vacuum_module, "MIN_LOG_RETENTION_S", 0.0)  # as if the trainer idled for hours
+    monkeypatch.setattr(log_module, "STALE_VIEW_S", 0.0)
+    trainer = _buf(buffer_url)
+    trainer.promote(make_groups("a", 2, rewards=[[0, 1, 0, 1], [1, 0, 0, 0]]))
+    rb = trainer.sample_replay(2, step=0, rng_seed=0)
+    with _buf(buffer_url).writer("sampler") as w:
+        for i in range(5):
+            w.write(make_groups(f"s{i}", 1))
+            w.flush()
+    assert _buf(buffer_url).vacuum(grace_s=3600, log_retention_s=0)["log_entries_deleted"] >= 1
+    version = trainer.update_priorities(rb.keys, [5.0] * len(rb.keys))
+    assert version > _buf(buffer_url).log.last_checkpoint()
+    assert {g.replays for g in _buf(buffer_url).refresh().l2_groups.values()} == {1}
