@@ -60,6 +60,7 @@ class ShardWriter:
         self._tables: queue.Queue = queue.Queue(maxsize=queue_size)
         self._files: queue.Queue = queue.Queue()  # bounded in effect by _tables
         self._error: BaseException | None = None
+        self._skipped = 0  # shards dropped from the queues after a failure (never committed)
         self._closed = False
         self.commits: list[float] = []  # seconds per log commit, for metrics
         self.rows_written = 0
@@ -116,9 +117,13 @@ class ShardWriter:
 
     # ------------------------------------------------------------------------------------------
     def _raise_if_failed(self) -> None:
+        """A failure stays: the shards queued behind the one that failed were not committed either,
+        so the writer refuses everything after it (each call raises); a new writer goes on."""
         if self._error is not None:
-            err, self._error = self._error, None
-            raise RuntimeError(f"buffer writer {self.writer_id!r}: commit failed: {err}") from err
+            err = self._error
+            lost = f"; {self._skipped} shard(s) queued after it were not committed" if self._skipped else ""
+            raise RuntimeError(f"buffer writer {self.writer_id!r}: commit failed: {err}{lost}; this writer "
+                               "takes no more shards") from err
 
     def _encode_loop(self) -> None:
         while True:
@@ -129,6 +134,8 @@ class ShardWriter:
                     return
                 if self._error is None:
                     self._files.put((self._prepare(item[0]), item[1]))
+                else:
+                    self._skipped += 1
             except BaseException as e:  # surfaced on the caller's next write/flush/close
                 self._error = e
             finally:
@@ -157,7 +164,9 @@ class ShardWriter:
             items = [b for b in batch if b is not _STOP]
             stop = len(items) < len(batch)
             try:
-                if items and self._error is None:
+                if items and self._error is not None:
+                    self._skipped += len(items)
+                elif items:
                     t0 = time.perf_counter()
                     committed = self._commit(items)
                     self.commits.append(time.perf_counter() - t0)

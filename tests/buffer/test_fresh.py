@@ -233,3 +233,28 @@ def test_storage_that_fails_to_deliver_a_shard_is_not_bad_data(tmp_path, small_c
     monkeypatch.setattr(shards, "read_bytes", real)
     fresh = ReplayBuffer(buffer_url, small_config)
     assert fresh.stats()["quarantined"] == {} and fresh.read_fresh(None, 100)[0].num_rows == 3 * 2 * 4
+
+
+def test_a_writer_whose_commit_failed_takes_no_more_shards(tmp_path, small_config, monkeypatch):
+    """The shards queued behind a failed commit are not committed: a writer that went on taking
+    shards would leave a gap its caller never hears of."""
+    buf = ReplayBuffer(f"file://{tmp_path}/buffer", small_config)
+    real, gate = buf.commit, threading.Event()
+
+    def failing(*a, **k):
+        gate.wait(5)
+        raise OSError("503 SlowDown")
+
+    monkeypatch.setattr(buf, "commit", failing)
+    w = buf.writer("w")
+    for name in ("a", "b", "c"):
+        w.write(make_groups(name, 2))
+    gate.set()
+    with pytest.raises(RuntimeError, match="503 SlowDown.*takes no more shards"):
+        w.flush()
+    monkeypatch.setattr(buf, "commit", real)
+    with pytest.raises(RuntimeError, match="commit failed"):
+        w.write(make_groups("d", 2))
+    with pytest.raises(RuntimeError, match="commit failed"):
+        w.close()
+    assert ReplayBuffer(f"file://{tmp_path}/buffer", small_config).read_fresh(None, 100)[0].num_rows == 0
