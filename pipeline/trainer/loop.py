@@ -330,6 +330,11 @@ class Trainer:
                 if st.step in phase_ends:
                     ck = self._checkpoint("phase")
                     if world.is_main:
+                        if st.step == tc.steps and publisher is not None:
+                            # every in-phase version is up before the orchestrator publishes the
+                            # final one: one landing after it would move latest.json back
+                            publisher.close()
+                            publisher = None
                         run.set_marker(RunDir.phase_done_marker(phase_ends[st.step]),
                                        {"step": st.step, "checkpoint": ck.url})
                 elif tc.checkpoint_every and st.step % tc.checkpoint_every == 0:

@@ -147,3 +147,34 @@ def test_trainer_keeps_the_newest_policy_versions_plus_v0_and_phase_versions(tmp
     assert store.versions() == [0, 3, 4, 5, 6]
     assert sorted(n for n in os.listdir(run.path("policy")) if n.startswith("v")) == \
         [f"v{v:06d}" for v in (0, 3, 4, 5, 6)]
+
+
+def test_every_in_phase_version_is_up_before_the_last_phase_marker(tmp_path, monkeypatch):
+    """The orchestrator publishes the final version once it sees the last phase marker; an
+    in-phase version still uploading then would land after it and move latest.json back."""
+    import time
+
+    import test_resume as tr
+    from pipeline.trainer.distributed import World
+    from pipeline.trainer.loop import Trainer
+
+    config = {**tr.CONFIG, "trainer": {**tr.CONFIG["trainer"], "steps": 4, "phases": 1, "sync_every": 1,
+                                       "checkpoint_every": 0}}
+    url = tr.make_run(tmp_path / "run", config)
+    publish = PolicyStore.publish_model
+
+    def slowly(self, version, *a, **k):
+        time.sleep(0.5)  # an upload to object storage
+        return publish(self, version, *a, **k)
+
+    monkeypatch.setattr(PolicyStore, "publish_model", slowly)
+    seen, set_marker = {}, RunDir.set_marker
+
+    def record(self, name, payload=None):
+        if name == RunDir.phase_done_marker(0):
+            seen["versions"] = PolicyStore(self).versions()
+        return set_marker(self, name, payload)
+
+    monkeypatch.setattr(RunDir, "set_marker", record)
+    Trainer(RunDir(url), World()).run_loop()
+    assert seen["versions"][-1] == 3  # the last in-phase version, committed before the marker
