@@ -117,7 +117,7 @@ class SamplerConfig(_Section):
     temperature: float = Field(1.0, gt=0)
     top_p: float = Field(1.0, gt=0, le=1)
     max_staleness: int = Field(2, ge=0)
-    """The sampler waits rather than produce data more than this many versions behind the trainer."""
+    """The sampler waits rather than produce data more than this many versions behind the trainer (counted at the step that trains a batch's last group)."""
     fixed_lag: bool = False
     """Generate each batch with the oldest policy version the staleness bound admits for it (the first the trainer publishes at or after its step minus `max_staleness`) rather than the newest: the data, and so the run, do not depend on how fast storage or the sampler is (a reproducible run; every version is then published, none replaced by a newer one). For one replica: several land their batches in an order timing decides, so they take the newest version. When the sampler is the bottleneck the newest version is fresher at no cost."""
     replicas: int = Field(1, ge=1, le=64)
@@ -333,12 +333,16 @@ class RunConfig(_Section):
                 f"trainer.groups_per_step={self.trainer.groups_per_step} and "
                 f"sampler.prompts_per_batch={self.sampler.prompts_per_batch}: one must divide the other"
             )
-        if self.trainer.sync_every > self.sampler.max_staleness + 1:
+        steps_per_batch = max(1, self.sampler.prompts_per_batch // self.trainer.groups_per_step)
+        if self.trainer.sync_every + steps_per_batch - 1 > self.sampler.max_staleness + 1:
             raise ValueError(
-                f"trainer.sync_every={self.trainer.sync_every} and sampler.max_staleness={self.sampler.max_staleness}: "
-                "a batch may be trained at most max_staleness steps after the version that generated it, so a "
-                "version must be published at least every max_staleness + 1 steps, or the run stalls; lower "
-                "trainer.sync_every or raise sampler.max_staleness"
+                f"trainer.sync_every={self.trainer.sync_every}, sampler.max_staleness={self.sampler.max_staleness}"
+                + (f" and batches of {steps_per_batch} steps (sampler.prompts_per_batch / trainer.groups_per_step)"
+                   if steps_per_batch > 1 else "")
+                + ": a batch's last group may be trained at most max_staleness steps after the version that "
+                "generated the batch, so sync_every + steps per batch - 1 must be at most max_staleness + 1, or "
+                "the run stalls; lower trainer.sync_every or sampler.prompts_per_batch, or raise "
+                "sampler.max_staleness"
             )
         if self.sampler.fixed_lag:
             self._check_fixed_lag()

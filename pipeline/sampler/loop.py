@@ -59,13 +59,15 @@ def injected_delay(sampler_id: str) -> float:
     return 0.0
 
 
-def batch_ahead(groups_committed: int, groups_per_step: int, policy_version: int) -> int:
-    """How many versions the next batch would be ahead of the policy that generates it.
+def batch_ahead(groups_committed: int, groups_per_step: int, policy_version: int, groups: int = 1) -> int:
+    """How many versions the next batch, of `groups` groups, would be ahead of the policy that
+    generates it.
 
-    The next batch is consumed at trainer step `groups_committed // groups_per_step`; generated
-    with `policy_version`, its staleness at consumption is the difference. This is the one place
-    the staleness bound is computed for the sampler."""
-    return groups_committed // groups_per_step - policy_version
+    Its last group is consumed at trainer step `(groups_committed + groups - 1) // groups_per_step`
+    (a batch of several steps' groups is trained over all of them); generated with
+    `policy_version`, its staleness there is the difference. This is the one place the staleness
+    bound is computed for the sampler."""
+    return (groups_committed + max(groups, 1) - 1) // groups_per_step - policy_version
 
 
 def scheduled_version(cfg, groups_committed: int) -> int:
@@ -73,7 +75,8 @@ def scheduled_version(cfg, groups_committed: int) -> int:
     publishes (v0, every `sync_every` steps, each phase's end) at or after the oldest the
     staleness bound admits for it."""
     tc = cfg.trainer
-    oldest = max(0, batch_ahead(groups_committed, tc.groups_per_step, 0) - cfg.sampler.max_staleness)
+    oldest = max(0, batch_ahead(groups_committed, tc.groups_per_step, 0, cfg.sampler.prompts_per_batch)
+                 - cfg.sampler.max_staleness)
     return min([-(-oldest // tc.sync_every) * tc.sync_every, *(p for p in phase_end_steps(tc) if p >= oldest)])
 
 
@@ -218,7 +221,8 @@ class Sampler:
 
     def ahead(self, draw: int | None = None) -> int:
         """Versions past the staleness bound's reference that a batch would arrive at."""
-        return batch_ahead(self._position(draw), self.cfg.trainer.groups_per_step, self.version)
+        return batch_ahead(self._position(draw), self.cfg.trainer.groups_per_step, self.version,
+                           self.cfg.sampler.prompts_per_batch)
 
     def _on_schedule(self, draw: int | None = None) -> bool:
         """`sampler.fixed_lag`: run the version the schedule names for the batch (loaded here once
@@ -245,7 +249,7 @@ class Sampler:
     def _admit(self, groups_before: int, shard) -> bool:
         """The writer's check at commit: the shard is within the staleness bound at the place it takes."""
         return batch_ahead(groups_before, self.cfg.trainer.groups_per_step,
-                           shard.policy_versions[0]) <= self.cfg.sampler.max_staleness
+                           shard.policy_versions[0], shard.num_groups) <= self.cfg.sampler.max_staleness
 
     def _log_dropped(self) -> int:
         """Record the draws the writer refused since the last call; returns how many it has recorded

@@ -58,9 +58,18 @@ def test_indivisible_batch_sizes_are_rejected():
 
 def test_publishing_less_often_than_the_staleness_bound_allows_is_rejected():
     # versions every 4 steps, batches at most 2 steps stale: from step 4 on no batch could be trained
-    with pytest.raises(ConfigError, match="sync_every=4 and sampler.max_staleness=2"):
+    with pytest.raises(ConfigError, match="sync_every=4, sampler.max_staleness=2:"):
         parse_config({"trainer": {"sync_every": 4}, "sampler": {"max_staleness": 2}})
     parse_config({"trainer": {"sync_every": 3}, "sampler": {"max_staleness": 2}})
+
+
+def test_a_batch_of_several_steps_counts_its_last_step_against_the_staleness_bound():
+    # 64 prompts per batch, 16 groups per step: the batch's last groups are trained 3 steps after its first
+    with pytest.raises(ConfigError, match="batches of 4 steps"):
+        parse_config({"trainer": {"groups_per_step": 16, "sync_every": 1},
+                      "sampler": {"prompts_per_batch": 64, "max_staleness": 2}})
+    parse_config({"trainer": {"groups_per_step": 16, "sync_every": 1},
+                  "sampler": {"prompts_per_batch": 64, "max_staleness": 3}})
 
 
 def test_a_fixed_lag_needs_the_scheduled_versions_kept():
