@@ -58,8 +58,15 @@ class Uploads:
         from .reshard.layout import is_weight_file
 
         copies = self.store._copies()
-        if copies.get(version) is not None:
-            return False
+        if copies.get(version) is not None:  # this node has it: committed, or seeded by a process before
+            if file_exists(self.store.fs, f"{self.store._dir(version)}/manifest.json"):
+                return False
+            # a trainer killed while the version waited here (its list of those died with it), now
+            # resumed and redoing the step: it goes up as the ones it defers do
+            self.waiting.append(version)
+            if not defer or self._due_now():
+                self.flush()
+            return True
         try:
             staging = copies.staging()
         except OSError as e:  # no copy here: the samplers on this node download the version

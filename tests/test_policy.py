@@ -375,3 +375,18 @@ def test_a_publisher_renders_config_and_tokenizer_once_for_the_model_it_publishe
     assert store.publish_model(4, model, load_tokenizer(model_dir), {"step": 4})
     assert saves == Counter(config=2, tokenizer=2), saves
     assert load_tokenizer(store.local_dir(4))("digits 1 2 :")["input_ids"] == tok("digits 1 2 :")["input_ids"]
+
+
+def test_a_version_a_killed_trainer_left_waiting_here_goes_up_when_the_resumed_one_publishes_it(model_dir):
+    """Deferred versions exist only as this node's copies; the list of those waiting dies with the
+    process. The resumed trainer redoes the steps: its publication must upload the copy."""
+    url = f"memory://policy-test-{uuid.uuid4().hex}/run-1"
+    _store(url).publish_folder(0, model_dir)
+    before = _store(url)
+    assert _publish_deferred(before, model_dir, 1) and _publish_deferred(before, model_dir, 2)
+    assert not before.exists(2)  # waiting here when the trainer is killed
+    resumed = _store(url)
+    assert _publish_model(resumed, model_dir, 2)  # not deferred: at once
+    elsewhere = _store(url)
+    elsewhere._local = LocalCopies(Path(tempfile.mkdtemp()))  # another node: no copies
+    assert resumed.exists(2) and elsewhere.committed(2) and elsewhere.published_after(1) == 2
