@@ -14,6 +14,7 @@ import traceback
 from importlib.metadata import entry_points
 
 from .config import ConfigError
+from .processes import RunFailed
 from .scoring import RewardError
 from .signals import StopSignal, handle_stop_signals
 
@@ -100,7 +101,9 @@ def cmd_finalize(args) -> int:
     from .orchestration import finalize
     from .rundir import RunDir
 
-    print(json.dumps(finalize(RunDir(args.run_dir)), indent=1))
+    run = RunDir(args.run_dir)
+    run.config()  # a folder that is not a run: one line naming it
+    print(json.dumps(finalize(run), indent=1))
     return 0
 
 
@@ -110,7 +113,11 @@ def cmd_eval(args) -> int:
     from .rundir import RunDir
 
     run = RunDir(args.run_dir)
-    version = args.version if args.version is not None else PolicyStore(run).latest()
+    run.config()  # a folder that is not a run: one line naming it
+    store = PolicyStore(run)
+    version = args.version if args.version is not None else store.latest()
+    if version is None or not store.exists(version):
+        raise ConfigError(f"--version: {run.url} has no policy version {version}; it has {store.versions()}")
     print(json.dumps({"version": version, **evaluate_policy(run, version)}))
     return 0
 
@@ -118,12 +125,22 @@ def cmd_eval(args) -> int:
 def cmd_run(args) -> int:
     from .local_runner import run_local
 
-    summary = run_local(_config(args), args.run_dir, progress=not args.no_progress)
+    summary = run_local(_config(args), args.run_dir, progress=not args.no_progress, runs_root=args.runs_root)
     keys = ["run_dir", "eval_before", "eval_after", "reward_first", "reward_last", "steps", "samples_generated",
             "samples_trained", "generated_tokens", "trained_tokens", "wall_s", "sampler_busy_s", "trainer_busy_s",
             "overlap_s", "overlap_ratio", "policy_versions", "max_staleness_seen", "total_s"]
     print(json.dumps({k: summary.get(k) for k in keys}, indent=1))
     return 0
+
+
+def _run_location(value: str) -> str:
+    """argparse type of --run-dir and --runs-root (a bad one: one line, exit 2)."""
+    from .locations import validate_run_location
+
+    try:
+        return validate_run_location(value)
+    except ConfigError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -144,30 +161,30 @@ def build_parser() -> argparse.ArgumentParser:
         s = sub.add_parser(name, help=help_)
         s.add_argument("config", help="YAML run config, e.g. configs/tiny-grpo.yaml")
         s.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override, e.g. trainer.steps=20")
-        s.add_argument("--run-dir", default=None, help="run directory URL (default: runs/<run_id>)")
-        s.add_argument("--runs-root", default="runs", help=argparse.SUPPRESS if name == "run" else "where new runs go")
+        s.add_argument("--run-dir", default=None, type=_run_location, help="run directory URL (default: runs/<run_id>)")
+        s.add_argument("--runs-root", default="runs", type=_run_location, help="where new runs go (without --run-dir)")
         if name == "run":
             s.add_argument("--no-progress", action="store_true", help="log lines instead of a progress bar")
         s.set_defaults(fn=fn)
 
     s = sub.add_parser("sampler", help="the persistent sampler loop")
-    s.add_argument("--run-dir", required=True)
+    s.add_argument("--run-dir", required=True, type=_run_location)
     s.add_argument("--sampler-id", default="sampler-0")
     s.set_defaults(fn=cmd_sampler)
 
     s = sub.add_parser("trainer", help="the persistent trainer loop")
-    s.add_argument("--run-dir", required=True)
+    s.add_argument("--run-dir", required=True, type=_run_location)
     s.set_defaults(fn=cmd_trainer)
     for s in (sub.choices["sampler"], sub.choices["trainer"]):
         s.add_argument("--after-prepare", action="store_true",
                        help="start now and wait for the run's preparation to finish (`rlhf run` starts its engines so)")
 
     s = sub.add_parser("finalize", help="verify and evaluate the final policy, compact L1 into L3, write summary.json")
-    s.add_argument("--run-dir", required=True)
+    s.add_argument("--run-dir", required=True, type=_run_location)
     s.set_defaults(fn=cmd_finalize)
 
     s = sub.add_parser("eval", help="held-out score of a policy version")
-    s.add_argument("--run-dir", required=True)
+    s.add_argument("--run-dir", required=True, type=_run_location)
     s.add_argument("--version", type=int, default=None)
     s.set_defaults(fn=cmd_eval)
 
@@ -207,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    except RewardError as e:  # the traceback of the user's reward is in the log above
+    except (RewardError, RunFailed) as e:  # their tracebacks, if any, are in the output above
         print(f"error: {e}", file=sys.stderr)
         return 1
     except StopSignal as e:

@@ -83,6 +83,13 @@ def build_example(out_dir: str, task: str = "sort", seed: int = 0, size: str = "
                   warm_steps: int | None = None, threads: int = 2) -> str:
     if task not in TASKS:
         raise ValueError(f"unknown built-in task {task!r}; choose one of {', '.join(TASKS)}")
+    if os.path.lexists(out_dir) and not (os.path.isdir(out_dir) and (
+            not os.listdir(out_dir) or os.path.isfile(os.path.join(out_dir, "example.json")))):
+        from .config_yaml import ConfigError
+
+        # it replaces the folder: only an empty one or an example it built before
+        raise ConfigError(f"{out_dir} exists and is not an example folder (no example.json); choose a new or "
+                          "empty folder")
     from .data import write_rows
     from .devices import set_threads
     from .tiny_model import build_tiny_model, build_tokenizer

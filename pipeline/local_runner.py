@@ -17,7 +17,7 @@ import time
 from . import orchestration
 from .config import RunConfig
 from .devices import role_environment, trainer_ranks
-from .processes import stop_group
+from .processes import RunFailed, stop_group
 from .rundir import RunDir, new_run_id, run_url_for
 from .sampler.claims import replica_ids
 from .signals import StopSignal, default_stop_signals
@@ -101,7 +101,8 @@ def engine_argv(role: str, run_url: str, nproc: int = 1, extra_args=(), *, nnode
     return [*launcher, "-m", "pipeline", role, "--run-dir", run_url, *map(str, extra_args)]
 
 
-def run_local(cfg: RunConfig, run_url: str | None = None, progress: bool = True) -> dict:
+def run_local(cfg: RunConfig, run_url: str | None = None, progress: bool = True,
+              runs_root: str = orchestration.DEFAULT_RUNS_ROOT) -> dict:
     """prepare -> sampler + trainer subprocesses -> finalize.
 
     Ctrl-C, SIGTERM and SIGHUP stop runner, sampler and trainer cleanly: the runner writes the
@@ -114,7 +115,7 @@ def run_local(cfg: RunConfig, run_url: str | None = None, progress: bool = True)
     from .progress import follow
 
     t_start = time.time()
-    run = RunDir(run_url or run_url_for(orchestration.DEFAULT_RUNS_ROOT, cfg.run_id or new_run_id()))
+    run = RunDir(run_url or run_url_for(runs_root, cfg.run_id or new_run_id()))
     # A new run: the engines start now and load their libraries while the run is prepared (they
     # wait for its last write); a run that exists (a resume) is prepared first.
     early = not run.exists()
@@ -134,7 +135,7 @@ def run_local(cfg: RunConfig, run_url: str | None = None, progress: bool = True)
         rc = procs["trainer"].wait()
         if rc == 0 and not run.has_marker(RunDir.TRAINER_DONE_MARKER):
             stop = run.marker(RunDir.STOP_MARKER) or {}
-            raise RuntimeError(f"the trainer stopped before its last step ({stop.get('reason') or 'stop marker'}); "
+            raise RunFailed(f"the trainer stopped before its last step ({stop.get('reason') or 'stop marker'}); "
                                "the run is not finished: run the same command again to resume it")
         if rc == 0:
             # the last phase's checkpoint becomes the final policy version
@@ -142,11 +143,11 @@ def run_local(cfg: RunConfig, run_url: str | None = None, progress: bool = True)
         orchestration.stop_after_trainer(run, by="runner", unfinished=f"trainer exited with {rc}")
         src = procs["sampler"].wait(timeout=120)
         if rc != 0 or src != 0:
-            raise RuntimeError(f"trainer exited with {rc}, sampler with {src}; see the output above and {run.url}/metrics")
+            raise RunFailed(f"trainer exited with {rc}, sampler with {src}; see the output above and {run.url}/metrics")
     except BaseException as e:
         # Ctrl-C or a failure: ask both processes to stop at their next poll, then make sure (before
         # the run is prepared, they are only waiting for it: stopped at once, nothing written).
-        if prepared:
+        if prepared and not run.has_marker(RunDir.STOP_MARKER):  # a user's stop stays (see above)
             run.request_stop(f"interrupted by {e.signum.name}" if isinstance(e, StopSignal) else
                              "interrupted" if isinstance(e, KeyboardInterrupt) else f"runner failed: {e}", by="runner")
         deadline = time.monotonic() + (15 if prepared else 0)

@@ -46,6 +46,16 @@ def validate_input_url(value: str, builtin: bool = True) -> str:
     return value
 
 
+def validate_run_location(value: str) -> str:
+    """A run directory or runs root given on the command line: a path or a URL of one of
+    STORAGE_PROTOCOLS (every process of the run reaches it; memory:// lives in one process only)."""
+    protocol = value.split("://", 1)[0] if "://" in value else None
+    if "::" in value or (protocol is not None and protocol not in STORAGE_PROTOCOLS):
+        raise ConfigError(f"{value!r} is not a path or a URL of a supported store; use a path or a URL of one of "
+                          f"{', '.join(STORAGE_PROTOCOLS)}")
+    return value
+
+
 @contextmanager
 def reaching(field: str, url: str):
     """Errors of reaching the store of an input (a filesystem package not installed, missing

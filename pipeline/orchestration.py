@@ -277,6 +277,22 @@ def compact_buffer(run: RunDir) -> dict:
     return ReplayBuffer(run.buffer_url, run.config().buffer).compact(everything=True)
 
 
+def _check_over(run: RunDir) -> None:
+    """finalize archives all of L1, the groups not trained on yet too: a run the trainer may still
+    resume must not be finalized (it would wait for those groups for ever). Over means the trainer
+    finished, or a stop that holds for good: one without an attempt, not a runner's own (`rlhf run`
+    removes that one to resume)."""
+    if run.has_marker(RunDir.TRAINER_DONE_MARKER):
+        return
+    stop = run.marker(RunDir.STOP_MARKER)
+    if stop is not None and stop.get("attempt") is None and stop.get("by") != "runner":
+        return
+    raise ConfigError(f"{run.url}: the trainer has not finished and the run is not stopped for good, so finalize "
+                      "would archive groups it still has to train on; resume the run (`rlhf run` with the same "
+                      "--run-dir, or clear the DAG run), or end it where it is with a stop marker of your own "
+                      "(markers/stop.json with a reason) first")
+
+
 def finalize(run: RunDir, threads: int = 2) -> dict:
     """The last step: verify the latest policy against its manifest, evaluate the first and the
     latest policy (cached in eval.json: a retry does not evaluate again), compact L1 into L3, write
@@ -285,6 +301,7 @@ def finalize(run: RunDir, threads: int = 2) -> dict:
     from .summary import build_summary
     from .tracking import log_evaluations
 
+    _check_over(run)
     store = PolicyStore(run)
     latest = store.latest() or 0
     report = store.verify(latest)  # the policy the run hands on: every file, every checksum

@@ -24,6 +24,11 @@ import time
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
+
+class RunFailed(RuntimeError):
+    """A local run's sampler or trainer failed or stopped short; the message says what and where
+    to look (`rlhf run` prints it as one line: their own output is above it)."""
+
 PROC = Path("/proc")
 
 

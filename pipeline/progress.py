@@ -17,6 +17,7 @@ import time
 from dataclasses import dataclass, field
 
 from .metrics import StreamReader
+from .processes import RunFailed
 from .rundir import RunDir
 
 log = logging.getLogger("rlhf.progress")
@@ -160,7 +161,7 @@ def follow(run: RunDir, procs: dict[str, subprocess.Popen], show_bar: bool = Tru
                 on_tick()
             s = procs["sampler"].poll()
             if s is not None and s != 0:
-                raise RuntimeError(f"sampler exited with {s} while the trainer was running")
+                raise RunFailed(f"sampler exited with {s} while the trainer was running")
             if tty:
                 line = progress_line(run, watch.reader.read(), cfg)
                 if line != shown:

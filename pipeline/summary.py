@@ -40,6 +40,26 @@ def _busy(records: list[dict]) -> list[tuple[float, float]]:
     return out
 
 
+def attempts_wall(trainer_starts: list[float], other_starts: list[float],
+                  busy: list[tuple[float, float]]) -> float:
+    """Seconds from each attempt's first process start to its last step or batch, summed over the
+    attempts: a run resumed later leaves out the time between them. An attempt begins where a
+    trainer starts after every step and batch before it ended (a resumed trainer); another
+    process's start (a sampler, a restarted replica) only opens the first."""
+    events = sorted([(t, 0, t) for t in trainer_starts] + [(t, 1, t) for t in other_starts]
+                    + [(s, 2, e) for s, e in busy])
+    total, begin, end = 0.0, None, None
+    for t, kind, e in events:
+        if kind == 0 and end is not None and t > end:  # a resumed trainer: the attempt before is over
+            total += end - begin
+            begin, end = t, None
+        if begin is None:
+            begin = t
+        if kind == 2:
+            end = e if end is None else max(end, e)
+    return total + (end - begin if end is not None else 0.0)
+
+
 def overlap_ratio(wall_s: float, sampler_busy_s: float, trainer_busy_s: float) -> float | None:
     """wall / max(sampler busy, trainer busy): 1.0 when the loop takes only as long as its busier
     process (the other's work hidden under it); more when they waited on each other (2.0 for
@@ -56,9 +76,9 @@ def build_summary(run: RunDir, eval_before: dict, eval_after: dict, policy_versi
     trainer = [r for r in run.read_metrics("trainer") if "step" in r]
     sampler = [r for s in sampler_streams(run) for r in run.read_metrics(s)]
     s_busy, t_busy = _busy(sampler), _busy(trainer)
-    starts = [r["time"] for r in run.read_metrics("trainer") + sampler if r.get("event") == "start"]
-    ends = [e for _, e in s_busy + t_busy]
-    wall = (max(ends) - min(starts + [s for s, _ in s_busy + t_busy])) if ends else 0.0
+    trainer_starts = [r["time"] for r in run.read_metrics("trainer") if r.get("event") == "start"]
+    sampler_starts = [r["time"] for r in sampler if r.get("event") == "start"]
+    wall = attempts_wall(trainer_starts, sampler_starts, s_busy + t_busy)
     gen = [r for r in sampler if "sampler/samples" in r]
     sampler_busy = sum(e - s for s, e in _union(s_busy))
     trainer_busy = sum(e - s for s, e in _union(t_busy))

@@ -102,3 +102,26 @@ def test_paths_storage_urls_and_builtins_are_inputs():
     cfg = parse_config({"model": {"path": "s3://models/qwen"}, "data": {"train": "data/train.parquet",
                                                                       "eval": "builtin:sort"}})
     assert (cfg.model.path, cfg.data.train, cfg.data.eval) == ("s3://models/qwen", "data/train.parquet", "builtin:sort")
+
+
+@pytest.mark.parametrize("args", [["prepare", "configs/tiny-test.yaml", "--run-dir", "http://127.0.0.1:9/runs/r1"],
+                                  ["finalize", "--run-dir", "ftp://host/r1"],
+                                  ["run", "configs/tiny-test.yaml", "--runs-root", "memory://runs"]])
+def test_run_directories_on_the_command_line_are_paths_or_storage_urls(args, capsys):
+    from pipeline.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(args)
+    assert e.value.code == 2 and "not a path or a URL of a supported store" in capsys.readouterr().err
+
+
+def test_finalize_and_eval_of_what_is_not_there_say_so_in_one_line(tmp_path, capsys):
+    from pipeline.cli import main
+
+    assert main(["finalize", "--run-dir", str(tmp_path / "nope")]) == 2
+    assert "is not a run directory" in capsys.readouterr().err
+    from pipeline.orchestration import prepare
+
+    run = prepare(parse_config({"trainer": {"steps": 2}}), run_url=str(tmp_path / "r1"))
+    assert main(["eval", "--run-dir", run.url, "--version", "7"]) == 2
+    assert "has no policy version 7; it has [0]" in capsys.readouterr().err

@@ -11,7 +11,7 @@ import pytest
 
 from pipeline import orchestration
 from pipeline.buffer import ReplayBuffer
-from pipeline.config import parse_config
+from pipeline.config import ConfigError, parse_config
 from pipeline.models import load_tokenizer
 from pipeline.policy import PolicyStore, version_dirname
 from pipeline.reshard import ReshardError
@@ -56,7 +56,21 @@ def corrupt(run: RunDir, version: int) -> None:
     (folder / name).write_bytes(bytes(data))
 
 
+def test_finalize_refuses_a_run_the_trainer_may_still_resume(run, monkeypatch):
+    monkeypatch.setattr(orchestration, "evaluate_policy", lambda *a, **k: pytest.fail("evaluated"))
+    for stop in (None, {"by": "runner", "reason": "runner failed"}, {"by": "stop_sampler", "attempt": 0}):
+        if stop is not None:
+            run.request_stop(stop["reason"] if "reason" in stop else "", by=stop["by"], attempt=stop.get("attempt"))
+        with pytest.raises(ConfigError, match="the trainer has not finished"):
+            orchestration.finalize(run)
+    assert tiers(run)["l1"]["rows"] == SHARDS * GROUPS * GROUP_SIZE  # nothing archived
+    run.request_stop("enough", by="alice")  # a user's stop ends the run where it is
+    monkeypatch.setattr(orchestration, "evaluate_policy", lambda *a, **k: {"score": 0.0})
+    assert orchestration.finalize(run)["compaction"]["rows"] == SHARDS * GROUPS * GROUP_SIZE
+
+
 def test_finalize_verifies_the_final_policy_compacts_l1_into_l3_and_writes_the_summary(run, monkeypatch):
+    run.set_marker(RunDir.TRAINER_DONE_MARKER, {"step": 4})
     rows = SHARDS * GROUPS * GROUP_SIZE
     assert tiers(run)["l1"]["rows"] == rows
     summary = orchestration.finalize(run)
@@ -74,6 +88,7 @@ def test_finalize_verifies_the_final_policy_compacts_l1_into_l3_and_writes_the_s
 
 
 def test_finalize_refuses_a_final_policy_that_does_not_verify_before_any_work(run, monkeypatch):
+    run.set_marker(RunDir.TRAINER_DONE_MARKER, {"step": 4})
     corrupt(run, 0)
     monkeypatch.setattr(orchestration, "evaluate_policy", lambda *a, **k: pytest.fail("evaluated a bad policy"))
     with pytest.raises(ReshardError, match="does not verify"):
@@ -152,3 +167,17 @@ def test_preparing_a_run_loads_no_distributed_checkpointing(tmp_path):
                          cwd=Path(__file__).resolve().parents[2])
     assert out.returncode == 0, out.stderr[-2000:]
     assert json.loads(out.stdout.splitlines()[-1]) == {"v0": True, "loaded": []}
+
+
+def test_init_example_never_replaces_a_folder_it_did_not_build(tmp_path):
+    from pipeline.config import ConfigError
+    from pipeline.example import build_example
+
+    (tmp_path / "proj" / "src").mkdir(parents=True)
+    (tmp_path / "proj" / "src" / "notes.txt").write_text("precious")
+    with pytest.raises(ConfigError, match="not an example folder"):
+        build_example(str(tmp_path / "proj"), "digit")
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ConfigError, match="not an example folder"):
+        build_example(str(tmp_path / "file"), "digit")
+    assert (tmp_path / "proj" / "src" / "notes.txt").read_text() == "precious"

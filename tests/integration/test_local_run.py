@@ -236,3 +236,14 @@ def test_a_run_that_cannot_be_prepared_stops_the_engines_started_beside_it(tmp_p
     gone, alive = psutil.wait_procs(started, timeout=5)
     assert not [q for q in alive if q.status() != psutil.STATUS_ZOMBIE]
     assert not (tmp_path / "r1").exists()
+
+
+def test_a_users_stop_ends_the_run_in_one_line_and_stays_for_the_next_rerun(tmp_path, spawn):
+    run_dir = f"file://{tmp_path}/runs/stopped"
+    p = _rlhf(spawn, "prepare", "configs/tiny-test.yaml", "--run-dir", run_dir, "--set", "trainer.steps=2")
+    assert p.returncode == 0, p.stderr[-3000:]
+    RunDir(run_dir).request_stop("stopped from a notebook", by="alice")
+    p = _rlhf(spawn, "run", "configs/tiny-test.yaml", "--run-dir", run_dir, "--no-progress", "--set", "trainer.steps=2")
+    assert p.returncode == 1 and "Traceback" not in p.stderr
+    assert "error: the trainer stopped before its last step (stopped from a notebook)" in p.stderr
+    assert RunDir(run_dir).marker("stop")["by"] == "alice"  # not replaced by the runner's own stop
