@@ -35,7 +35,8 @@ from typing import Iterable, Iterator
 
 from .config import ConfigError
 from .model_cache import cache_dir
-from .policy_cache import LOCAL_COPIES, REMOTE_POLL_S, SHARED, VERSION_RE, LocalCopies, version_dirname
+from .policy_cache import (IDLE_RUN_S, LOCAL_COPIES, REMOTE_POLL_S, SHARED, VERSION_RE, LocalCopies, sweep_idle_runs,
+                           version_dirname)
 from .rundir import RunDir
 from .storage import delete, file_exists, is_local, list_names, put_atomic, read_bytes
 
@@ -329,7 +330,11 @@ class PolicyStore:
                 keep = max(LOCAL_COPIES, self.run.config().sampler.max_staleness + 1)
             except ConfigError:
                 keep = LOCAL_COPIES
-            self._local = LocalCopies(cache_dir() / "policies" / f"{self.run.run_id}-{key}", keep)
+            root = cache_dir() / "policies" / f"{self.run.run_id}-{key}"
+            gone = sweep_idle_runs(root.parent, root)
+            if gone:
+                log.info("policy copies of runs idle for %.0f days removed: %s", IDLE_RUN_S / 86400, ", ".join(gone))
+            self._local = LocalCopies(root, keep)
         return self._local
 
     def local_dir(self, version: int) -> str:

@@ -17,7 +17,8 @@ The folder of a run is named after the run's id, a hash of its URL and the time 
 prepared (`prepare.json`'s `created`), so a new run at the same URL never reads the copies of the
 one before, and a resumed run keeps its own. Copies are
 bounded (v0 and the newest `LOCAL_COPIES`, or `sampler.max_staleness` + 1); a copy a reader holds
-(`pinned`) is not pruned.
+(`pinned`) is not pruned. The folders of other runs that nothing has touched for IDLE_RUN_S go
+when a run's copies are first opened on the node (`sweep_idle_runs`): finished runs leave theirs.
 """
 
 from __future__ import annotations
@@ -39,6 +40,9 @@ LOCAL_COPIES = 3
 """Local copies of a remote run's versions kept besides v0, at least: the newest ones. A run keeps
 `sampler.max_staleness` + 1 where that is more: a fixed-lag sampler restarted beside the trainer
 runs the version `max_staleness` behind the newest (see PolicyStore._copies)."""
+IDLE_RUN_S = 3 * 86400.0
+"""A run's folder of copies that nothing has written into for this long is removed by the next run
+that opens its own on the node (a run resumed later downloads what it needs again)."""
 SHARED = "shared"
 """Manifest key of the files a version shares with others (stored once in the run directory)."""
 SEEDED = ".seeded"
@@ -50,6 +54,25 @@ REMOTE_POLL_S = 1.0
 
 def version_dirname(version: int) -> str:
     return f"v{version:06d}"
+
+
+def sweep_idle_runs(parent: Path, mine: Path, idle_s: float = IDLE_RUN_S) -> list[str]:
+    """Remove the folders of `parent` (one per run) other than `mine` whose newest entry, or
+    themselves, were last modified over `idle_s` ago. Returns the names removed."""
+    removed, now = [], time.time()
+    try:
+        runs = [p for p in parent.iterdir() if p.is_dir() and p != mine]
+    except FileNotFoundError:
+        return removed
+    for run in runs:
+        try:
+            newest = max([run.stat().st_mtime, *(c.stat().st_mtime for c in run.iterdir())])
+        except FileNotFoundError:  # removed meanwhile
+            continue
+        if now - newest > idle_s:
+            shutil.rmtree(run, ignore_errors=True)
+            removed.append(run.name)
+    return removed
 
 
 class LocalCopies:

@@ -5,6 +5,7 @@ import json
 import os
 import sys
 import tempfile
+import time
 import uuid
 from collections import Counter
 from pathlib import Path
@@ -390,3 +391,17 @@ def test_a_version_a_killed_trainer_left_waiting_here_goes_up_when_the_resumed_o
     elsewhere = _store(url)
     elsewhere._local = LocalCopies(Path(tempfile.mkdtemp()))  # another node: no copies
     assert resumed.exists(2) and elsewhere.committed(2) and elsewhere.published_after(1) == 2
+
+
+def test_copies_of_runs_idle_for_days_go_when_another_run_opens_its_own(tmp_path):
+    from pipeline.policy_cache import IDLE_RUN_S, sweep_idle_runs
+
+    parent = tmp_path / "policies"
+    old, busy, mine = parent / "old-1", parent / "busy-2", parent / "mine-3"
+    for run in (old, busy, mine):
+        (run / "v000000").mkdir(parents=True)
+    long_ago = time.time() - IDLE_RUN_S - 60
+    for p in (old / "v000000", old, mine / "v000000", mine):
+        os.utime(p, (long_ago, long_ago))
+    assert sweep_idle_runs(parent, mine) == ["old-1"]
+    assert sorted(p.name for p in parent.iterdir()) == ["busy-2", "mine-3"]
