@@ -3,30 +3,24 @@
 This is the Delta Lake pattern. Data files are immutable and invisible until an entry of the log
 names them; entry N is created with a create-only write (`storage.put_if_absent`: hard link on
 local/NFS, `If-None-Match: *` on S3, generation match 0 on GCS), so exactly one of several
-concurrent committers gets each number and the log is a total order every process agrees on.
-
-    _log/00000000000000000042.json        entry 42: {"sum", "format", "v", "txn", "time", "writer", "actions"}
-                                           (actions.py: the actions; logfiles.py: names and the seal)
-    _log/00000000000000000050.ckpt.json   the state after entry 50 (every `checkpoint_interval`)
-    _log/_last_checkpoint                  {"v": 50}: where opening starts (may lag; never ahead)
-    _log/_tip                              {"v": 57, "by": "<id>"}: where contending appenders of a remote log start
-                                           (a hint: may lag or even go back; never trusted)
+concurrent committers gets each number and the log is a total order every process agrees on. Its
+files (logfiles.py): entry N {"sum", "format", "v", "txn", "time", "writer", "actions" (actions.py)};
+a checkpoint every `checkpoint_interval` entries; `_last_checkpoint`, where opening starts (may lag,
+never ahead); `_tip`, where contending appenders of a remote log start (a hint, never trusted).
 
 Opening reads the pointer, one checkpoint and the few entries after it, so it costs O(1) files
-whatever the history length. Keeping up reads only entries past the last version seen, probing
-N+1, N+2, ... until one is missing: no listing of the whole log. A process does not read back the
-entries it appended itself (it keeps them until its state reaches them).
+whatever the history length. Keeping up reads only entries past the last version seen, probing N+1,
+N+2, ... until one is missing: no listing of the whole log. A process does not read back the entries
+it appended itself (it keeps them until its state reaches them). Entries only ever appear in order:
+a committer creates N+1 only after seeing N exist. So the log is always a contiguous run of numbers,
+which is what lets readers stop at the first missing one.
 
-Entries only ever appear in order: a committer creates N+1 only after seeing N exist. So the log is
-always a contiguous run of numbers, which is what lets readers stop at the first missing one.
-
-Every entry and checkpoint starts with `"sum"`, a checksum of the rest of its bytes, so a file
-changed after it was written is detected on reading (files written before it existed have none and
-are read as they are). An entry that cannot be used (torn by a machine crash, changed, copied under
-another number, missing a field) still takes its number: it counts as an empty commit, recorded as
-a quarantine that verify reports. A checkpoint that cannot be used is replayed from the entries,
-or is a `CorruptLog` error once vacuum has deleted them. A newer format or action is an
-`UnsupportedLogFormat` error: skipping a newer writer's commits would silently lose them.
+A file changed after it was written fails its checksum (`"sum"`, logfiles.py). An entry that cannot
+be used (torn by a machine crash, changed, copied under another number, missing a field) still takes
+its number: it counts as an empty commit, recorded as a quarantine that verify reports. A checkpoint
+that cannot be used is replayed from the entries, or is a `CorruptLog` error once vacuum has deleted
+them. A newer format or action is an `UnsupportedLogFormat` error: skipping a newer writer's commits
+would silently lose them.
 """
 
 from __future__ import annotations
@@ -56,10 +50,7 @@ _REMOTE_PROBE = 8  # most entries read in parallel when catching up on remote st
 _CONTENDED_APPENDS = 16  # appends that use and update the tip hint after one another appender wrote
 _BACKOFF_MAX = 8  # after a lost race on remote storage, wait up to this many round trips (times misses)
 _BLIND_TRIES = 4  # lost add-only races before catching up with the log instead of trying the next number
-STALE_VIEW_S = 600.0
-"""A process that has neither read nor written the log for this long catches up before it commits:
-log retention (vacuum, at least `vacuum.MIN_LOG_RETENTION_S`) may have deleted the entries after its
-view, and a create-only write of one of those numbers would succeed where no reader ever looks."""
+STALE_VIEW_S = 600.0  # unread this long, a committer catches up first (vacuum.MIN_LOG_RETENTION_S)
 
 
 class CommitLog:
@@ -77,7 +68,7 @@ class CommitLog:
         self.pointer_check_interval_s = 5.0  # how often a reader that sees no new entry checks retention
         self._last_pointer_check = 0.0
         self._opened = False
-        self._seen = time.monotonic()  # when this view was last brought up to date (read or written)
+        self._seen = time.monotonic()  # when this view was last brought up to date (read)
         self._tip = 0  # highest version this process knows to exist (its own blind appends included)
         self._own: dict[int, LogEntry] = {}  # entries this process appended past its state: not read back
         # object stores: every request is a round trip, so contending writers share a tip hint
@@ -272,9 +263,9 @@ class CommitLog:
             raise TypeError(f"commit: {bad[0]!r} is not a log action; build one from pipeline.buffer.actions")
         if not self._opened:
             self.open()
-        elif time.monotonic() - self._seen > STALE_VIEW_S:
-            self._last_pointer_check = float("-inf")  # see STALE_VIEW_S
-            self.refresh()
+        elif time.monotonic() - self._seen > STALE_VIEW_S:  # not read for a while: retention may have
+            self._last_pointer_check = float("-inf")  # deleted the entries after this view
+            self._catch_up()
         writer = self.writer if writer is None else writer
         if precondition is None and all(isinstance(a, AddShard) for a in actions):
             return self._append(actions, writer)
@@ -286,7 +277,6 @@ class CommitLog:
             data = seal(entry.to_json())
             if put_if_absent(self.fs, join(self.dir, entry_name(entry.version)), data, self.fsync):
                 self.state.apply(entry)
-                self._seen = time.monotonic()
                 if self._notices is not None:
                     self._notices.committed(entry.version, writer, data)
                 self._maybe_checkpoint(entry.version)
@@ -338,7 +328,6 @@ class CommitLog:
             else:
                 v += 1
         self._tip = v
-        self._seen = time.monotonic()
         if self._notices is not None:
             self._notices.committed(v, writer, data)
         if publish:

@@ -205,20 +205,13 @@ def test_rerunning_an_interrupted_run_resumes_it_to_the_end(tmp_path, spawn):
 def test_a_run_that_cannot_be_prepared_stops_the_engines_started_beside_it(tmp_path, spawn):
     """`rlhf run` starts sampler and trainer while it prepares a new run; bad input ends them.
 
-    The reward module (checked before the data) holds the preparation until the test has seen both
-    engines: without it, a preparation that fails in milliseconds could end before they show."""
-    go = tmp_path / "go"
-    reward = tmp_path / "held_reward.py"
-    reward.write_text(
-        "import os, time\n"
-        "deadline = time.time() + 120\n"
-        f"while not os.path.exists({str(go)!r}) and time.time() < deadline:\n"
-        "    time.sleep(0.02)\n\n\n"
-        "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
-        "    return 0.0\n")
+    The training prompts are a named pipe, so the preparation waits on reading them until the test
+    has seen both engines (a preparation that fails in milliseconds could end before they show);
+    then it reads bytes that are not Parquet."""
+    train = tmp_path / "train.parquet"
+    os.mkfifo(train)
     p = spawn([sys.executable, "-m", "pipeline", "run", "configs/tiny-test.yaml", "--run-dir", str(tmp_path / "r1"),
-               "--no-progress", "--set", f"reward.fn={reward}:compute_score",
-               "--set", "data.train=/nonexistent/train.parquet"],
+               "--no-progress", "--set", f"data.train={train}"],
               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     started, deadline = [], time.time() + 60
     while len(started) < 2 and p.poll() is None and time.time() < deadline:
@@ -227,7 +220,15 @@ def test_a_run_that_cannot_be_prepared_stops_the_engines_started_beside_it(tmp_p
         except psutil.Error:
             pass
         time.sleep(0.05)
-    go.touch()
+    while p.poll() is None and time.time() < deadline + 60:  # hand the reader its bytes once it opened the pipe
+        try:
+            fd = os.open(train, os.O_WRONLY | os.O_NONBLOCK)
+        except OSError:  # no reader yet
+            time.sleep(0.05)
+            continue
+        os.write(fd, b"not parquet")
+        os.close(fd)
+        break
     _, err = p.communicate(timeout=120)
     assert len(started) >= 2, f"engines seen while the run was being prepared: {started}\n{err}"
     assert p.returncode == 2
