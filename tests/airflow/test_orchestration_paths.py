@@ -16,7 +16,7 @@ from pipeline.config import parse_config
 from pipeline.rundir import RunDir
 
 STEPS = {"prepare", "publish_phase", "check_replay_gate", "stop_after_trainer", "finalize"}
-CONFIG = {"trainer": {"steps": 4, "phases": 2, "replay_epochs": 1, "groups_per_step": 4}}
+CONFIG = {"trainer": {"steps": 4, "phases": 2, "replay_epochs": 1, "groups_per_step": 4}, "sampler": {"prompts_per_batch": 4}}
 
 
 @pytest.fixture
