@@ -130,7 +130,8 @@ def check_reward_spec(spec: str, batched: bool | None = None) -> None:
         return
     path, name = _user_file(spec)
     try:
-        tree = ast.parse(open(path, "rb").read(), filename=path)
+        with open(path, "rb") as f:
+            tree = ast.parse(f.read(), filename=path)
     except (SyntaxError, ValueError) as e:
         raise ConfigError(f"reward.fn: {path!r} is not valid Python: {e}") from None
     bound = _binding(tree, name)
