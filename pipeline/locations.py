@@ -39,20 +39,20 @@ def validate_input_url(value: str, builtin: bool = True) -> str:
     one of INPUT_PROTOCOLS (not fsspec's chained `a::b` URLs)."""
     if builtin and value.startswith("builtin:"):
         return value
-    protocol = value.split("://", 1)[0] if "://" in value else None
-    if "::" in value or (protocol is not None and protocol not in INPUT_PROTOCOLS):
-        raise ValueError(f"{value!r} is not a path or a URL of a supported store; use a path or a URL of one of "
-                         f"{', '.join(INPUT_PROTOCOLS)}")
-    return value
+    return _in_store(value, INPUT_PROTOCOLS)
 
 
 def validate_run_location(value: str) -> str:
-    """A run directory or runs root given on the command line: a path or a URL of one of
-    STORAGE_PROTOCOLS (every process of the run reaches it; memory:// lives in one process only)."""
+    """A run directory or runs root: a path or a URL of one of STORAGE_PROTOCOLS (every process of
+    the run reaches it; memory:// lives in one process only)."""
+    return _in_store(value, STORAGE_PROTOCOLS)
+
+
+def _in_store(value: str, protocols: tuple[str, ...]) -> str:
     protocol = value.split("://", 1)[0] if "://" in value else None
-    if "::" in value or (protocol is not None and protocol not in STORAGE_PROTOCOLS):
+    if "::" in value or (protocol is not None and protocol not in protocols):
         raise ConfigError(f"{value!r} is not a path or a URL of a supported store; use a path or a URL of one of "
-                          f"{', '.join(STORAGE_PROTOCOLS)}")
+                          f"{', '.join(protocols)}")
     return value
 
 

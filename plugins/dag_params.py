@@ -183,15 +183,17 @@ def allowed_roots() -> list[str]:
 def storage_root(url: str, field: str) -> str:
     """`url` without a trailing '/', if it is an absolute path or a URL of a supported store and
     has no '..' segment; `field` names where the value came from in the error."""
-    from pipeline.locations import STORAGE_PROTOCOLS
+    from pipeline.config import ConfigError
+    from pipeline.locations import validate_run_location
     from pipeline.rundir import validate_run_url
 
     root = url.rstrip("/") or "/"
+    try:
+        validate_run_location(root)
+    except ConfigError as e:
+        raise ValueError(f"{field}: {e}") from None
     if "://" in root:
         protocol = root.split("://", 1)[0]
-        if protocol not in STORAGE_PROTOCOLS:
-            raise ValueError(f"{field}: protocol {protocol!r} is not supported; use one of "
-                             f"{', '.join(STORAGE_PROTOCOLS)}")
         if protocol in ("file", "local") and not root.split("://", 1)[1].startswith("/"):
             raise ValueError(f"{field}: {root!r} must be an absolute path")
     elif not root.startswith("/"):

@@ -72,6 +72,16 @@ def failed_attempt(run, attempt=0):
         _stop_sampler(run.url, dag_run=FakeDagRun(attempt))
 
 
+def final_stop(run, stop: str) -> None:
+    """A stop that holds for every attempt: a user's ("user"), or the teardown's after the trainer
+    finished ("trainer finished")."""
+    if stop == "user":
+        run.request_stop("stopped by hand", by="alice")
+    else:
+        run.set_marker("trainer_done", {"step": 4})
+        _stop_sampler(run.url, dag_run=FakeDagRun(0))
+
+
 def test_a_stop_that_ended_an_earlier_attempt_is_stale_for_a_later_one(run):
     failed_attempt(run, 0)
     stop = run.marker("stop")
@@ -84,11 +94,7 @@ def test_a_stop_that_ended_an_earlier_attempt_is_stale_for_a_later_one(run):
 
 @pytest.mark.parametrize("stop", ["user", "trainer finished"])
 def test_a_users_stop_and_the_stop_after_a_finished_trainer_hold_for_every_attempt(run, stop):
-    if stop == "user":
-        run.request_stop("stopped by hand", by="alice")
-    else:
-        run.set_marker("trainer_done", {"step": 4})
-        _stop_sampler(run.url, dag_run=FakeDagRun(0))
+    final_stop(run, stop)
     for role in ("sampler", "trainer"):
         QuickRole(task_id=role, role=role, run_url=run.url).execute(context(3, try_number=2))
     assert run.stop_requested(3) and run.marker("stop")["attempt"] is None
@@ -108,11 +114,7 @@ def test_a_new_dag_run_on_the_same_run_directory_resumes_it_where_another_one_fa
 
 @pytest.mark.parametrize("stop", ["user", "trainer finished"])
 def test_a_final_stop_holds_for_a_new_dag_run_too(run, stop):
-    if stop == "user":
-        run.request_stop("stopped by hand", by="alice")
-    else:
-        run.set_marker("trainer_done", {"step": 4})
-        _stop_sampler(run.url, dag_run=FakeDagRun(0))
+    final_stop(run, stop)
     run.take_over("manual__B")
     assert run.stop_requested(0)
 
