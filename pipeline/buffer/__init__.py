@@ -12,7 +12,8 @@ Tiers and their bounds (BufferConfig):
 - L1 hot: every group consumed once, in commit order, from a cursor the trainer checkpoints
   (`read_fresh`). Bound `l1_max_rows` on the rows not yet consumed: never dropped — the rate
   limiter (ratelimit.py) makes the sampler wait instead. Consumed shards leave L1 by compaction
-  into L3 (`compact`: the run's finalize, or the CLI).
+  into L3 (`compact`: the run's finalize, or the CLI), none past the cursor of the trainer's
+  newest checkpoint (`mark_resumable`), which a restarted trainer reads from again.
 - L2 warm: consumed groups that pass the quality filter (`promote`), drawn by proportional
   prioritized replay with importance weights (`sample_replay`, `update_priorities`) up to
   `max_replays_per_group` times. Bound `l2_max_groups`: shards whose groups used up their replays

@@ -175,6 +175,11 @@ class RecordReplays:
         return cls(tuple(keys), tuple(float(p) for p in _field(d, "p", _list_of(_num), "prio")))
 
 
+def resume_consumer(consumer: str) -> str:
+    """The log's name for where `consumer` starts again after a restart (`ReplayBuffer.mark_resumable`)."""
+    return f"{consumer}@resume"
+
+
 @dataclass(frozen=True)
 class MarkConsumed:
     """A reader's position in the L1 stream: every group before group `group` of L1 shard `seq`

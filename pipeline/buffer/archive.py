@@ -23,7 +23,7 @@ import pyarrow.compute as pc
 
 from ..config import ConfigError
 from ..locations import validate_run_id
-from .actions import AddShard, RemoveShard
+from .actions import AddShard, RemoveShard, resume_consumer
 from .log import CommitConflict, shards_still_live
 from .shards import encode, group_layout, policy_range, write_shard
 from .state import ShardInfo
@@ -64,8 +64,8 @@ def compact(buf: "ReplayBuffer", everything: bool = False, consumer: str = "trai
     st = buf.refresh()
     l1 = st.tier_shards("l1")
     if not everything:
-        cur = st.consumed.get(consumer)
-        l1 = [s for s in l1 if cur is not None and s.seq < int(cur["seq"])]
+        before = archivable_before(st, consumer)
+        l1 = [s for s in l1 if before is not None and s.seq < before]
     small = [s for s in st.tier_shards("l3") if s.rows < cfg.compact_target_rows // 2]
     by_part: dict[int, list[ShardInfo]] = {}
     for s in small:
@@ -85,6 +85,18 @@ def compact(buf: "ReplayBuffer", everything: bool = False, consumer: str = "trai
         done["rows"] += sum(s.rows for s in chunk)
     done.update(enforce_l3_limits(buf))
     return done
+
+
+def archivable_before(st, consumer: str) -> int | None:
+    """The L1 shard before which every shard was consumed and will not be read again: the
+    consumer's recorded position, or where it resumes after a restart if that is behind (a
+    trainer records its checkpoints' cursors there: groups it trained after its newest checkpoint
+    are trained again when it restarts). None: nothing consumed yet."""
+    cur = st.consumed.get(consumer)
+    if cur is None:
+        return None
+    resume = st.consumed.get(resume_consumer(consumer))
+    return min(int(cur["seq"]), int(resume["seq"])) if resume is not None else int(cur["seq"])
 
 
 def _compact_chunk(buf: "ReplayBuffer", chunk: list[ShardInfo]) -> int:

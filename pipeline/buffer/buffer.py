@@ -26,7 +26,7 @@ import pyarrow as pa
 
 from ..config import BufferConfig
 from ..storage import to_url, url_to_fs
-from .actions import Action, MarkConsumed, Quarantine, RecordReplays
+from .actions import Action, MarkConsumed, Quarantine, RecordReplays, resume_consumer
 from .log import CommitLog
 from .notices import ShardCopies
 from .promotion import promote
@@ -229,6 +229,12 @@ class ReplayBuffer:
         with self._lock:
             st = self.refresh()
             return self.log.commit([MarkConsumed(consumer, seq, g, st.groups_before(seq, g))])
+
+    def mark_resumable(self, cursor: dict, consumer: str = "trainer") -> int:
+        """Record where the reader would start again after a restart (its newest checkpoint's
+        cursor, or where it started): compaction archives no L1 shard at or past it, so a reader
+        resumed behind its recorded position still finds every group it has to redo in L1."""
+        return self.mark_consumed(cursor, resume_consumer(consumer))
 
     # L2 warm ----------------------------------------------------------------------------------
     def promote(self, table: pa.Table, cursor: dict | None = None, consumer: str = "trainer") -> dict:

@@ -103,8 +103,9 @@ class ConsumedMarks:
     loop, and while the trainer waits for fresh groups with L1 at its `l1_max_rows` bound (a
     sampler held back there waits for this record to move on): each mark is a commit, on object storage a write for the trainer and a read for
     every other process of the run, and one more round for a sampler whose commit it got in
-    before. Compaction then sees the trainer's progress up to MARK_EVERY_S later; a resumed
-    trainer starts from its checkpoint's cursor either way."""
+    before. Compaction then sees the trainer's progress up to MARK_EVERY_S later, and archives
+    nothing past the newest checkpoint's cursor, where a restarted trainer reads again
+    (`ReplayBuffer.mark_resumable`)."""
 
     def __init__(self, buffer: ReplayBuffer, bc):
         self.buffer = buffer

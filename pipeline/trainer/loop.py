@@ -129,6 +129,7 @@ class Trainer:
             log.info("trainer: resumed from %s (step %d)", ck.url, self.state.step)
         if world.is_main:  # also without a checkpoint: a trainer killed before its first one redoes every step
             rollback_metrics(run, self.state.step)
+            self.buffer.mark_resumable(self.state.cursor_dict())  # compaction keeps what a restart redoes
         self.metrics = run.metrics("trainer") if world.is_main else NullMetrics()
         # the ledger and the trackers resume with the checkpoint: what came after it is redone
         self.lineage = LineageWriter(run, self.state.updates) if world.is_main else NullLineage()
@@ -292,13 +293,17 @@ class Trainer:
     def _checkpoint(self, kind: str):
         """Save a checkpoint; the ledger's rows up to it are written first, so a resume from it
         finds them (rows written past the newest checkpoint are rolled back on resume); so are the
-        metrics records, which on object storage are buffered into parts; and the consumption mark."""
+        metrics records, which on object storage are buffered into parts; and the consumption mark.
+        Its cursor is recorded after it as where a restart resumes (`ReplayBuffer.mark_resumable`)."""
         if self.world.is_main:
             self.marks.flush()
         self.lineage.flush()
         self.metrics.flush()
-        return save_checkpoint(self.run, self.actor, self.opt, self.sched, self.state, self.tokenizer, self.world,
-                               kind=kind, keep=self.tc.keep_checkpoints)
+        ck = save_checkpoint(self.run, self.actor, self.opt, self.sched, self.state, self.tokenizer, self.world,
+                             kind=kind, keep=self.tc.keep_checkpoints)
+        if self.world.is_main:  # a restart now redoes nothing before it: compaction may archive up to it
+            self.buffer.mark_resumable(self.state.cursor_dict())
+        return ck
 
     def _publish(self, publisher) -> None:
         """Publish the weights as version `step` (idempotent: a version already committed stays)."""

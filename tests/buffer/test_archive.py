@@ -93,3 +93,18 @@ def test_compaction_conflict_leaves_no_duplicate_rows(buffer_url):
     t = b.archive_dataset().to_table()
     assert t.num_rows == 4 * 8 and len(set(t.column("sample_id").to_pylist())) == 32
     assert b.stats()["tiers"]["l1"]["shards"] == 0
+
+
+def test_compaction_keeps_what_a_reader_restarting_from_its_checkpoint_reads_again(buffer_url):
+    buf = ReplayBuffer(buffer_url, BufferConfig(checkpoint_interval=5))
+    _fill(buf, 6)
+    _, checkpointed = buf.read_fresh(None, 4)  # shards 0-1: the newest checkpoint's cursor
+    buf.mark_resumable(checkpointed)
+    _, live = buf.read_fresh(checkpointed, 6)  # shards 2-4 read after it and recorded
+    buf.mark_consumed(live)
+    assert buf.compact()["l1_shards_in"] == 2
+    # restarted from the checkpoint, the reader finds every group it read after it
+    again, _ = buf.read_fresh(checkpointed, 100)
+    assert again.num_rows == (12 - 4) * 4
+    buf.mark_resumable(live)  # a later checkpoint lets the rest go
+    assert buf.compact()["l1_shards_in"] == 3

@@ -106,7 +106,7 @@ def uninterrupted(tmp_path_factory):
     return get
 
 
-def _killed_then_resumed(tmp_path, nproc: int, resume_nproc: int) -> tuple[str, dict]:
+def _killed_then_resumed(tmp_path, nproc: int, resume_nproc: int, compact: bool = False) -> tuple[str, dict]:
     url = make_run(tmp_path / "run")
     rc = trainer(url, nproc, kill_after=N + 1)
     assert rc != 0, "the trainer should have been killed"
@@ -117,14 +117,18 @@ def _killed_then_resumed(tmp_path, nproc: int, resume_nproc: int) -> tuple[str, 
     run = RunDir(url)
     assert [c.step for c in list_checkpoints(run)] == [N]
     assert not run.has_marker("trainer_done")
+    if compact:  # `rlhf buffer compact` by hand, with step N + 1's position recorded (one shard a step)
+        buf = ReplayBuffer(run.buffer_url, run.config().buffer)
+        buf.mark_consumed({"seq": N + 1, "group": 0})
+        assert buf.compact()["l1_shards_in"] == N  # not shard N, which the restart from step N reads
     trainer(url, resume_nproc)
     steps = [r["step"] for r in run.read_metrics("trainer") if "step" in r]
     assert steps == list(range(1, 2 * N + 1)), steps  # no step skipped, none counted twice
     return url, final_weights(url)
 
 
-def test_resume_after_sigkill_equals_uninterrupted_single_process(tmp_path, uninterrupted):
-    url, resumed = _killed_then_resumed(tmp_path, 1, 1)
+def test_resume_after_sigkill_and_a_compaction_equals_uninterrupted_single_process(tmp_path, uninterrupted):
+    url, resumed = _killed_then_resumed(tmp_path, 1, 1, compact=True)
     ref = uninterrupted(1)
     assert moved(ref, url) > 1e-3
     assert_same(resumed, ref, atol=1e-6)
