@@ -238,8 +238,11 @@ class DCPWriter:
                 continue
             offsets = (start,) + (0,) * (len(spec.shape) - 1) if spec.shape else ()
             sizes = (size,) + tuple(spec.shape[1:]) if spec.shape else ()
-            # torch.save writes a view's whole storage: give each chunk its own when there are several
-            part = t if self.n == 1 or not spec.shape else t.narrow(0, start, size).clone()
+            part = t.narrow(0, start, size) if spec.shape and self.n > 1 else t
+            if part.untyped_storage().nbytes() != part.nbytes:
+                # torch.save writes a view's whole storage: a chunk of a tensor, or a tensor that lies
+                # in the reshard's shared read buffer, would carry all of it into the file
+                part = part.clone()
             out = self.files[r]
             begin = out.tell()
             torch.save(part, out)
