@@ -42,6 +42,10 @@ from .layout import ReshardError, TensorSpec, ordered
 FAMILIES = {"qwen2": "Qwen2", "qwen3": "Qwen3", "llama": "Llama", "mistral": "Mistral", "gemma": "Gemma",
             "gemma2": "Gemma2", "gemma3_text": "Gemma3", "phi3": "Phi3"}
 
+# families whose transformers config class ties the embeddings when config.json does not say
+# (PretrainedConfig's default; Gemma's Hub configs leave the key out)
+TIED_BY_DEFAULT = {"gemma", "gemma2", "gemma3", "gemma3_text"}
+
 EMBED = "model.embed_tokens.weight"
 LM_HEAD = "lm_head.weight"
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
@@ -51,6 +55,17 @@ COLUMN = {"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"}
 FUSED = {"qkv_proj", "gate_up_proj"}
 ROW = {"o_proj", "down_proj"}
 KV = {"k_proj", "v_proj"}
+
+
+def ties_embeddings(config: dict) -> bool:
+    """Whether a config.json ties the output layer to the input embedding, as transformers reads it:
+    the key, else the family's default (`TIED_BY_DEFAULT`)."""
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
+    if "tie_word_embeddings" in config:
+        return bool(config["tie_word_embeddings"])
+    if "tie_word_embeddings" in text:
+        return bool(text["tie_word_embeddings"])
+    return config.get("model_type") in TIED_BY_DEFAULT or text.get("model_type") in TIED_BY_DEFAULT
 
 
 @dataclass(frozen=True)
@@ -109,7 +124,7 @@ class Architecture:
         model_type = config.get("model_type") or text.get("model_type")
         heads, hidden = num["num_attention_heads"], num["hidden_size"]
         head_dim = num["head_dim"] or (hidden // heads if hidden and heads and hidden % heads == 0 else None)
-        tied = config.get("tie_word_embeddings", text.get("tie_word_embeddings", False))
+        tied = ties_embeddings(config)
         return cls(
             name=str(archs[0]) if archs else str(model_type or "unknown"), model_type=model_type,
             vocab=num["vocab_size"], hidden=hidden, layers=num["num_hidden_layers"], heads=heads,

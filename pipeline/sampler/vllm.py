@@ -58,10 +58,10 @@ def _cuda_available() -> bool:
 
 def ties_embeddings(model_dir: str) -> bool:
     """Whether the model's config ties the output layer to the input embedding."""
+    from ..reshard.arch import ties_embeddings as config_ties
+
     with open(os.path.join(model_dir, "config.json")) as f:
-        cfg = json.load(f)
-    text = cfg.get("text_config") or {}
-    return bool(cfg.get("tie_word_embeddings", text.get("tie_word_embeddings", False)))
+        return config_ties(json.load(f))
 
 
 def retie_output_layer(model) -> str:

@@ -175,3 +175,23 @@ def test_a_tensor_missing_from_one_layer_is_named_before_any_output(tmp_path):
                                            r"'model.layers.1.pre_feedforward_layernorm.weight'"):
         reshard(src, str(tmp_path / "out"), to="dcp:2")
     assert not (tmp_path / "out").exists()
+
+
+def test_a_config_without_tie_word_embeddings_ties_as_transformers_reads_it(tmp_path):
+    """Gemma's Hub configs leave the key out and transformers then ties (its config class's default)."""
+    from transformers import CONFIG_MAPPING
+
+    from pipeline.reshard.arch import FAMILIES as CHECKED, TIED_BY_DEFAULT, ties_embeddings
+
+    for model_type in CHECKED:
+        assert (model_type in TIED_BY_DEFAULT) == CONFIG_MAPPING[model_type]().tie_word_embeddings, model_type
+    src = str(tmp_path / "gemma2")
+    shutil.copytree(ensure_tiny_arch("gemma2"), src)
+    with open(os.path.join(src, "config.json")) as f:
+        cfg = json.load(f)
+    assert cfg.pop("tie_word_embeddings") and HEAD not in _names(src)
+    with open(os.path.join(src, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    assert ties_embeddings(cfg) and not ties_embeddings({**cfg, "model_type": "llama"})
+    reshard(src, str(tmp_path / "hf"), to="hf")
+    assert torch.equal(logits(load_hf(str(tmp_path / "hf"))), logits(load_hf(ensure_tiny_arch("gemma2"))))
