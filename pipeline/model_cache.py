@@ -7,11 +7,15 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shutil
+import tempfile
+import time
 from pathlib import Path
 
 from .storage import is_local, url_to_fs
 
 CACHE_ENV = "RLHF_CACHE"
+ABANDONED_S = 24 * 3600  # a partial copy this old belongs to a process that died
 
 
 def cache_dir() -> Path:
@@ -22,7 +26,11 @@ def cache_dir() -> Path:
 
 
 def localize(url: str) -> str:
-    """A local folder with the contents of `url` (copied once into the cache if remote)."""
+    """A local folder with the contents of `url` (copied once into the cache if remote).
+
+    The copy is made in a folder of its own and renamed into place when complete, so processes of
+    one node that localize the same model at once (sampler replicas, a reward model) never read a
+    folder another one is still writing; the first rename wins and the others drop their copy."""
     fs, path = url_to_fs(url)
     if is_local(fs):
         if not os.path.isdir(path):
@@ -30,8 +38,30 @@ def localize(url: str) -> str:
         return path
     key = hashlib.sha256(url.encode()).hexdigest()[:16]
     dst = cache_dir() / "remote" / key
-    if not (dst / ".complete").exists():
-        dst.mkdir(parents=True, exist_ok=True)
-        fs.get(path.rstrip("/") + "/", str(dst) + "/", recursive=True)
-        (dst / ".complete").write_text(url)
+    if (dst / ".complete").exists():
+        return str(dst)
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    _sweep_abandoned(dst.parent, key)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{key}-", dir=dst.parent))
+    try:
+        fs.get(path.rstrip("/") + "/", str(tmp) + "/", recursive=True)
+        (tmp / ".complete").write_text(url)
+        if dst.exists() and not (dst / ".complete").exists():
+            shutil.rmtree(dst, ignore_errors=True)  # copied in place by an older version and cut off
+        try:
+            os.rename(tmp, dst)
+        except OSError:
+            if not (dst / ".complete").exists():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     return str(dst)
+
+
+def _sweep_abandoned(parent: Path, key: str) -> None:
+    for p in parent.glob(f".{key}-*"):
+        try:
+            if time.time() - p.stat().st_mtime > ABANDONED_S:
+                shutil.rmtree(p, ignore_errors=True)
+        except OSError:
+            pass
