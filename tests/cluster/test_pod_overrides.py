@@ -3,9 +3,11 @@ Kubernetes API models of the `kubernetes` client: built as V1Pod, serialized as 
 would receive them, deserialized back; no cluster needed."""
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -34,7 +36,7 @@ def round_trip(pod):
     api = k8s.ApiClient()
     body = api.sanitize_for_serialization(pod)
     text = json.dumps(body)
-    back = api.deserialize(text, "V1Pod", "application/json")
+    back = api.deserialize(SimpleNamespace(data=text), "V1Pod")  # as from the API server's response
     assert api.sanitize_for_serialization(back) == body
     return body, back
 
@@ -142,6 +144,11 @@ def test_the_helm_values_set_the_kubernetes_executor_and_pod_settings_that_build
     assert values["jwtSecretName"] and values["apiSecretKeySecretName"] and values["fernetKeySecretName"]
     unknown = [n for n in env if n.startswith("RLHF_POD_") and n not in pod_override.__doc__]
     assert not unknown, unknown
+    # a run's trainer holds the slots of the run's GPUs (its own and one sampler's), within the pool
+    slots = int(env["RLHF_RUN_DEVICE_SLOTS"])
+    assert slots == int(env["RLHF_POD_TRAINER_GPUS"]) + int(env["RLHF_POD_GPUS"])
+    text = (REPO / "docker" / "helm-values.yaml").read_text()
+    assert slots <= int(re.search(r"pools set rlhf_devices (\d+)", text).group(1))
     for role in ("sampler", "trainer", "finalize"):
         body, back = round_trip(device_task_kwargs(role, env)["executor_config"]["pod_override"])
         assert back.spec.containers[0].resources.limits["nvidia.com/gpu"] == env.get(

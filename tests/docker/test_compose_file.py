@@ -97,8 +97,9 @@ def test_one_worker_per_gpu_each_reserving_its_own_device(services):
         assert "--concurrency 1" in cmd and f"--queues {svc['environment']['RLHF_DEVICE_QUEUE']}" in cmd, name
         assert svc["environment"]["RLHF_DEDICATED_DEVICES"] == "1", name
     assert len(set(ids)) == len(ids)
-    # the pool has one slot per GPU worker
+    # the pool has one slot per GPU worker; a run's trainer holds the slots of its sampler's and its own
     assert int(services["airflow-init"]["environment"]["RLHF_GPUS"]) == len(gpu)
+    assert int(services["scheduler"]["environment"]["RLHF_RUN_DEVICE_SLOTS"]) == 2 <= len(gpu)
 
 
 def test_volumes_the_image_writes_are_handed_to_its_uid_before_anything_starts(compose, services):
@@ -136,10 +137,12 @@ def test_the_ui_password_file_is_written_by_the_api_server_that_reads_it(service
 
 def test_secrets_stay_out_of_git_the_image_and_the_engine_processes(services):
     for ignore in (REPO / ".gitignore", DOCKER / "Dockerfile.dockerignore"):
-        assert "docker/secrets.env" in ignore.read_text().split(), ignore
+        assert {"docker/secrets.env", "docker/postgres.env"} <= set(ignore.read_text().split()), ignore
     for name, svc in services.items():
-        if ours(svc):
-            assert svc["env_file"] == ["secrets.env"], name
+        assert svc.get("env_file") in (None, ["secrets.env"] if ours(svc) else ["postgres.env"]), name
+    postgres = [line.split("=", 1)[0] for line in (DOCKER / "postgres.env.example").read_text().splitlines()
+                if line and not line.startswith("#")]
+    assert postgres == ["POSTGRES_PASSWORD"]
     from plugins.operators.process import engine_environment
 
     example = [line.split("=", 1)[0] for line in (DOCKER / "secrets.env.example").read_text().splitlines()
@@ -149,3 +152,28 @@ def test_secrets_stay_out_of_git_the_image_and_the_engine_processes(services):
     assert not set(example) & set(passed), set(example) & set(passed)
     # storage credentials are the exception: the engine reads and writes the run directory
     assert "AWS_SECRET_ACCESS_KEY" in engine_environment({"AWS_SECRET_ACCESS_KEY": "x"})
+
+
+def test_the_entrypoint_runs_the_commands_of_compose_and_of_the_helm_chart(tmp_path, services):
+    import subprocess
+
+    stub = tmp_path / "airflow"
+    stub.write_text('#!/bin/sh\necho "airflow $*"\n')
+    stub.chmod(0o755)
+
+    def run(*args: str) -> str:
+        out = subprocess.run(["bash", str(DOCKER / "entrypoint"), *args], env={"PATH": f"{tmp_path}:/usr/bin:/bin"},
+                             capture_output=True, text=True, timeout=10)
+        assert out.returncode == 0, out.stderr
+        return out.stdout.strip()
+
+    assert run() == "airflow version"
+    # compose: the Airflow subcommand alone (a `celery` executable is on PATH too)
+    for name in ("scheduler", "worker-gpu0"):
+        assert run(*services[name]["command"]) == "airflow " + " ".join(services[name]["command"])
+    # the Helm chart: its containers' args and probes, the KubernetesExecutor's task pods
+    assert run("bash", "-c", "exec airflow scheduler") == "airflow scheduler"
+    assert run("airflow", "db", "check-migrations", "--migration-wait-timeout=60") == \
+        "airflow db check-migrations --migration-wait-timeout=60"
+    dockerfile = (DOCKER / "Dockerfile").read_text()
+    assert 'ENTRYPOINT ["/entrypoint"]' in dockerfile and "/clean-logs" in dockerfile  # the log groomer's
