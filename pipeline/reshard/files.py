@@ -245,12 +245,25 @@ class OutFile:
         return {"bytes": self.bytes, CHECKSUM: self.checksum.hexdigest()}
 
     def abort(self) -> None:
+        """Drop what was written: nothing appears under the file's name. On an object store,
+        closing the file would complete the upload, so the upload is discarded instead (s3fs
+        aborts the multipart upload; a store without `discard` gets the object removed)."""
         try:
-            self._f.close()
+            if self._tmp is None and hasattr(self._f, "discard"):
+                self._f.discard()
+            else:
+                self._f.close()
         except Exception:  # noqa: BLE001 - best effort cleanup of a failed write
             pass
-        if self._tmp is not None and os.path.exists(self._tmp):
-            os.unlink(self._tmp)
+        if self._tmp is not None:
+            if os.path.exists(self._tmp):
+                os.unlink(self._tmp)
+        else:
+            try:
+                if self.fs.exists(self.path):
+                    self.fs.rm_file(self.path)
+            except Exception:  # noqa: BLE001
+                pass
 
 
 def _read_segments(segments: list[tuple[int, int, int]]) -> memoryview:

@@ -106,7 +106,11 @@ def test_destination_holding_another_publication_is_refused(tiny, trainer_ckpt, 
     assert verify(out).ok
 
 
-def test_a_failure_while_writing_leaves_no_output(tiny, tmp_path, monkeypatch):
+@pytest.mark.parametrize("store", ["local", "object"])
+def test_a_failure_while_writing_leaves_no_output(tiny, tmp_path, monkeypatch, store):
+    """On an object store (memory:// here) closing a file would complete its upload."""
+    import fsspec
+
     from pipeline.reshard import sinks
 
     calls = {"n": 0}
@@ -119,9 +123,16 @@ def test_a_failure_while_writing_leaves_no_output(tiny, tmp_path, monkeypatch):
         return real(self, name, t, *rest)
 
     monkeypatch.setattr(sinks.SafetensorsWriter, "write", failing)
+    out = str(tmp_path / "out") if store == "local" else f"memory://{tmp_path.name}/out"
     with pytest.raises(OSError, match="disk full"):
-        reshard(tiny[2], str(tmp_path / "out"), to="hf", max_shard_bytes=300_000)
-    _no_output(tmp_path / "out")
+        reshard(tiny[2], out, to="hf", max_shard_bytes=300_000)
+    if store == "local":
+        _no_output(tmp_path / "out")
+    else:
+        fs = fsspec.filesystem("memory")
+        assert [p for p in fs.find(f"/{tmp_path.name}/out") if p.endswith(".safetensors")] == []
+        if fs.exists(f"/{tmp_path.name}"):
+            fs.rm(f"/{tmp_path.name}", recursive=True)
 
 
 def test_tp_manifest_pointing_outside_its_folder_is_refused(tiny, tmp_path):
