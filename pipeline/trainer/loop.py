@@ -45,7 +45,7 @@ from .checkpoint import TrainerState, latest_checkpoint, load_checkpoint, save_c
 from .critic import ActorCritic, ValueHead
 from .distributed import World, init_world, shard
 from .feed import ConsumedMarks, FreshFeed, GaveWay, ReplayPace, TrainerStopped, wait_for_gate
-from .phases import phase_end_steps, replay_epoch_steps
+from .phases import mark_closed_phases, phase_end_steps, replay_epoch_steps
 from .publish import BackgroundPublisher, publish_policy
 from .precision import DTYPES, Precision
 from .step import replay_config, replayable, train_step
@@ -322,6 +322,8 @@ class Trainer:
         ok = False
         publisher = BackgroundPublisher(self.store, tc, replace=not self.cfg.sampler.fixed_lag) if world.is_main else None
         try:
+            if st.step and world.is_main:
+                mark_closed_phases(run, tc, st.step)
             if st.step and st.step not in phase_ends and st.step % tc.sync_every == 0:
                 # resumed: a trainer killed between its checkpoint and that step's publication left
                 # the version uncommitted, and a fixed-lag sampler waits for exactly that one

@@ -15,6 +15,7 @@ priorities (the group's mean |advantage|) and replay counts go back to the buffe
 from __future__ import annotations
 
 from ..config import TrainerConfig
+from ..rundir import RunDir
 
 
 def phase_end_steps(tc: TrainerConfig) -> dict[int, int]:
@@ -27,3 +28,21 @@ def replay_epoch_steps(tc: TrainerConfig) -> list[int]:
     """The fresh step after which replay epoch e runs, for each e (evenly spread, the last at the end)."""
     E = tc.replay_epochs
     return [max(1, round((e + 1) * tc.steps / E)) for e in range(E)]
+
+
+def mark_closed_phases(run: RunDir, tc: TrainerConfig, step: int) -> list[int]:
+    """Write the missing markers of the phases a resumed trainer at `step` has closed. A trainer that
+    stopped between a phase's checkpoint and its marker (killed there, or its last in-phase
+    publication failed, which it reports only then) left the marker out; the orchestrator publishes
+    phases in order and would never publish that one or any after it. Returns the phases marked."""
+    from .checkpoint import list_checkpoints
+
+    closed = {s: k for s, k in phase_end_steps(tc).items() if s <= step}
+    missing = {s: k for s, k in closed.items() if not run.has_marker(RunDir.phase_done_marker(k))}
+    if not missing:
+        return []
+    cks = {c.step: c for c in list_checkpoints(run)}
+    for s, k in sorted(missing.items()):
+        if s in cks:
+            run.set_marker(RunDir.phase_done_marker(k), {"step": s, "checkpoint": cks[s].url})
+    return [k for s, k in sorted(missing.items()) if s in cks]

@@ -178,3 +178,31 @@ def test_every_in_phase_version_is_up_before_the_last_phase_marker(tmp_path, mon
     monkeypatch.setattr(RunDir, "set_marker", record)
     Trainer(RunDir(url), World()).run_loop()
     assert seen["versions"][-1] == 3  # the last in-phase version, committed before the marker
+
+
+def test_a_resumed_trainer_writes_the_marker_of_a_phase_it_closed_but_did_not_mark(tmp_path, monkeypatch):
+    """A publication failing at the last step fails the trainer after the phase checkpoint and before
+    its marker; without the marker the orchestrator never published that phase's policy."""
+    import test_resume as tr
+    from pipeline.trainer.distributed import World
+    from pipeline.trainer.loop import Trainer
+
+    config = {**tr.CONFIG, "trainer": {**tr.CONFIG["trainer"], "steps": 4, "phases": 2, "sync_every": 1,
+                                       "checkpoint_every": 0}}
+    run = RunDir(tr.make_run(tmp_path / "run", config))
+    publish = PolicyStore.publish_model
+
+    def flaky(self, version, *a, **k):
+        if version == 3:
+            raise OSError("storage unavailable")
+        return publish(self, version, *a, **k)
+
+    monkeypatch.setattr(PolicyStore, "publish_model", flaky)
+    with pytest.raises(Exception, match="storage unavailable|publishing"):
+        Trainer(run, World()).run_loop()
+    assert [c.step for c in list_checkpoints(run)] == [2, 4] and not run.has_marker(RunDir.phase_done_marker(1))
+    monkeypatch.setattr(PolicyStore, "publish_model", publish)
+    Trainer(run, World()).run_loop()  # resumed at step 4: nothing left to train
+    assert run.marker(RunDir.phase_done_marker(1))["step"] == 4
+    advance(run)
+    assert PolicyStore(run).latest() == 4
