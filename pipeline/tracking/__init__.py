@@ -10,8 +10,9 @@ after a restart: MLflow by the `rlhf.run_id` tag, W&B by an id derived from the 
 TensorBoard by its folder, purging the steps the resumed trainer redoes), and `finalize` reopens it
 to log the held-out evaluations at the steps of the versions it scored (`eval/score` at step K for
 policy version K). Tracker libraries are imported only when a backend is chosen; a missing one is
-a ConfigError naming the extra to install. A tracker that fails while logging (a tracking server
-that went away) logs a warning and is dropped; training goes on.
+a ConfigError naming the extra to install. A tracker that cannot be opened or fails while logging
+(a tracking server that is down or went away) logs a warning and is dropped; training goes on.
+MLflow's client gives up on a server that does not answer within seconds (`MLFLOW_CLIENT_ENV`).
 """
 
 from __future__ import annotations
@@ -129,7 +130,11 @@ def open_tracker(run, cfg: RunConfig | None = None, *, resumed_step: int | None 
     opened: list[Tracker] = []
     try:
         for b in cfg.tracking.backends:
-            opened.append(backends.OPENERS[b](run, cfg, folder, resumed_step))
+            try:
+                opened.append(backends.OPENERS[b](run, cfg, folder, resumed_step))
+            except Exception as e:  # a tracking server that is down must not stop the run
+                log.warning("tracker %s could not be opened (%s: %s); this process goes on without it",
+                            b, type(e).__name__, e)
     except BaseException:
         Trackers(opened).close(ok=False)
         raise

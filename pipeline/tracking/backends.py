@@ -38,11 +38,20 @@ class TensorBoardTracker(Tracker):
         self.writer.close()
 
 
+# A tracking server that is down: MLflow's own defaults (7 retries with backoff, 120 s timeout)
+# hold a call, on the training thread, for about 4 minutes; these give up within seconds, after
+# which the tracker is dropped and training goes on. The user's environment wins.
+MLFLOW_CLIENT_ENV = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2", "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
+                     "MLFLOW_HTTP_REQUEST_TIMEOUT": "20"}
+
+
 def _mlflow_uri(cfg, folder: str) -> str:
     uri = cfg.tracking.mlflow_uri or "file://" + os.path.join(folder, "mlruns")
     if uri.startswith("file:") or "://" not in uri:
         # MLflow 3 refuses file stores unless asked; a local folder is what a laptop run wants
         os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+    for k, v in MLFLOW_CLIENT_ENV.items():
+        os.environ.setdefault(k, v)
     return uri
 
 

@@ -8,6 +8,7 @@ import json
 import logging
 import os
 import sys
+import time
 
 import pytest
 from spawner import Spawner
@@ -161,3 +162,18 @@ def test_a_resumed_trainer_replaces_the_tensorboard_steps_it_redoes(tmp_path):
     ea.Reload()
     assert [(e.step, e.value) for e in ea.Scalars("reward/mean")] == [(1, 1.0), (2, 2.0), (3, 30.0), (4, 40.0),
                                                                      (5, 50.0)]
+
+
+def test_a_tracking_server_that_is_down_costs_seconds_and_a_warning_not_the_run(tmp_path, monkeypatch, caplog):
+    from pipeline.tracking.backends import MLFLOW_CLIENT_ENV
+
+    for k in MLFLOW_CLIENT_ENV:
+        monkeypatch.delenv(k, raising=False)
+    cfg = parse_config({"tracking": {"backends": ["tensorboard", "mlflow"], "mlflow_uri": "http://127.0.0.1:9"}})
+    t0 = time.monotonic()
+    with caplog.at_level(logging.WARNING, logger="rlhf.tracking"):
+        tracker = open_tracker(RunDir(str(tmp_path / "r")), cfg, resumed_step=0)
+    assert time.monotonic() - t0 < 60  # MLflow's defaults retried for about 4 minutes
+    assert [b.name for b in tracker.backends] == ["tensorboard"] and "mlflow could not be opened" in caplog.text
+    tracker.log({"reward/mean": 1.0}, 1)
+    tracker.close()
