@@ -245,7 +245,11 @@ class RewardWorker(_RuleRewards):
         self.restarts += 1
 
     def wait_ready(self) -> None:
-        """Block until the worker has loaded the reward function; ConfigError if it could not."""
+        """Block until the worker has loaded the reward function; ConfigError if it could not.
+        A worker that died since the last batch (the OOM killer, a stray signal) is started again."""
+        if self._proc is not None and self._proc.poll() is not None:
+            log.warning("reward worker for %s exited with code %s between batches; starting a new one",
+                        self.spec, self._kill())
         if self._proc is None:
             self._start()
         if self._ready:
@@ -284,7 +288,12 @@ class RewardWorker(_RuleRewards):
         self.wait_ready()
         sent = time.monotonic()
         self._progress.start(-1)
-        self._conn.send((kind, items))
+        try:
+            self._conn.send((kind, items))
+        except OSError:  # died after the check above: once more with a new worker
+            self._kill()
+            self.wait_ready()
+            self._conn.send((kind, items))
         while True:
             index, started = self._progress.read()
             wait = (started if index >= 0 else sent) + self.timeout_s - time.monotonic()

@@ -87,6 +87,20 @@ def test_a_hung_worker_is_killed_not_left_behind(user_fn):
     worker.close()
 
 
+def test_a_worker_that_died_between_batches_is_started_again(user_fn):
+    import signal
+    import time
+
+    worker = RewardWorker(user_fn(), timeout_s=5)
+    try:
+        assert [o.score.reward for o in worker.score([("s", "a", ["a"], None)])] == [1.0]
+        os.kill(worker._proc.pid, signal.SIGKILL)  # the OOM killer, between two batches
+        time.sleep(0.2)
+        assert [o.score.reward for o in worker.score([("s", "a", ["a"], None), ("s", "b", ["a"], None)])] == [1.0, 0.0]
+    finally:
+        worker.close()
+
+
 def test_batched_reward_failure_falls_back_to_one_sample_at_a_time(user_fn):
     with _scorer(user_fn("batched"), on_error="zero", timeout_s=1.0) as scorer:
         out = scorer.score_batch(_samples("a", "hang", "b", "raise"))
