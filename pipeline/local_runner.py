@@ -17,7 +17,7 @@ import time
 from . import orchestration
 from .config import RunConfig
 from .devices import role_environment, trainer_ranks
-from .processes import RunFailed, stop_group
+from .processes import RunFailed, group_alive, stop_group
 from .rundir import RunDir, new_run_id, run_url_for
 from .sampler.claims import replica_ids
 from .signals import StopSignal, default_stop_signals
@@ -142,6 +142,8 @@ def run_local(cfg: RunConfig, run_url: str | None = None, progress: bool = True,
             orchestration.advance(run, frozen, settled)
         orchestration.stop_after_trainer(run, by="runner", unfinished=f"trainer exited with {rc}")
         src = procs["sampler"].wait(timeout=120)
+        for p in _processes(procs):  # what a child left running in its group (an engine's workers)
+            _terminate(p, grace_s=0.0)
         if rc != 0 or src != 0:
             raise RunFailed(f"trainer exited with {rc}, sampler with {src}; see the output above and {run.url}/metrics")
     except BaseException as e:
@@ -200,10 +202,12 @@ def _processes(procs: dict) -> list[subprocess.Popen]:
 
 def _terminate(p: subprocess.Popen, grace_s: float = 10.0) -> None:
     """Wait up to `grace_s` for a clean exit (stop marker), then stop the group (SIGTERM, then
-    SIGKILL after 10 s)."""
+    SIGKILL after 10 s): also when the child itself has exited, what it left in its group (torchrun's
+    workers after the launcher died, an engine's subprocesses)."""
     try:
         p.wait(timeout=grace_s)
-        return
+        if not group_alive(p.pid):
+            return
     except subprocess.TimeoutExpired:
         pass
     stop_group(p.pid, grace_s=10.0)

@@ -60,3 +60,13 @@ def test_the_identity_of_a_live_leader_matches_and_a_stale_record_does_not(group
     stop_group(p.pid, grace_s=5)
     p.wait()
     assert "is gone" in identity_mismatch(record)
+
+
+def test_the_runner_stops_what_an_exited_child_left_in_its_group(groups):
+    """torchrun's workers after the launcher died, an engine's subprocesses: still holding devices."""
+    from pipeline.local_runner import _terminate
+
+    p = groups("import subprocess, sys; subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); sys.exit(1)")
+    assert p.wait(timeout=10) == 1 and group_alive(p.pid)
+    _terminate(p, grace_s=0.0)
+    assert not group_alive(p.pid)
