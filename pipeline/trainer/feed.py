@@ -14,11 +14,14 @@ import math
 import threading
 import time
 from collections import deque
+from typing import Callable, TypeVar
 
 import pyarrow as pa
 
 from ..buffer import ReplayBuffer, bounds_consumer_progress
 from ..rundir import RunDir
+
+T = TypeVar("T")
 
 MARK_EVERY_S = 2.0
 FIRST_TAKE_STEADY_S = 5.0  # see FreshFeed
@@ -26,6 +29,34 @@ FIRST_TAKE_STEADY_S = 5.0  # see FreshFeed
 
 class TrainerStopped(Exception):
     """The stop marker appeared while waiting for data or a replay gate."""
+
+
+def agreed(world, wait: Callable[[], T]) -> T:
+    """`wait()` (a read of fresh groups, a replay gate) on every rank, then the ranks act alike.
+    Each rank reads and checks the stop marker on its own: one that stopped or failed while another
+    got its data would leave that one waiting in a collective (gloo fails it, NCCL hangs until its
+    watchdog). A failure on any rank fails every rank, else a timeout, else a stop stops them all."""
+    if not world.distributed:
+        return wait()
+    outcome, result, error = 0, None, None
+    try:
+        result = wait()
+    except TrainerStopped as e:
+        outcome, error = 1, e
+    except TimeoutError as e:
+        outcome, error = 2, e
+    except Exception as e:  # noqa: BLE001 - every rank raises below
+        outcome, error = 3, e
+    agreed_outcome = world.max_int(outcome)
+    if agreed_outcome == outcome and error is not None:
+        raise error
+    if agreed_outcome == 1:
+        raise TrainerStopped("another rank met the stop marker")
+    if agreed_outcome == 2:
+        raise TimeoutError("another rank timed out waiting for data or a replay gate")
+    if agreed_outcome == 3:
+        raise RuntimeError("another rank failed while reading data or waiting for a replay gate; see its log")
+    return result
 
 
 class GaveWay(Exception):

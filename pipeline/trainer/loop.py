@@ -44,7 +44,7 @@ from .borrow import BorrowedThreads
 from .checkpoint import TrainerState, latest_checkpoint, load_checkpoint, save_checkpoint
 from .critic import ActorCritic, ValueHead
 from .distributed import World, init_world, shard
-from .feed import ConsumedMarks, FreshFeed, GaveWay, ReplayPace, TrainerStopped, wait_for_gate
+from .feed import ConsumedMarks, FreshFeed, GaveWay, ReplayPace, TrainerStopped, agreed, wait_for_gate
 from .phases import mark_closed_phases, phase_end_steps, replay_epoch_steps
 from .publish import BackgroundPublisher, publish_policy
 from .precision import DTYPES, Precision
@@ -141,7 +141,7 @@ class Trainer:
     # one fresh step ---------------------------------------------------------------------------
     def fresh_step(self) -> dict:
         tc, st, world = self.tc, self.state, self.world
-        table, cursor, waited = self.feed.take(st.cursor_dict(), ahead=st.step + 1 < tc.steps)
+        table, cursor, waited = agreed(world, lambda: self.feed.take(st.cursor_dict(), ahead=st.step + 1 < tc.steps))
         t0 = time.time()
         batch = collate(table, self.tokenizer.pad_token_id)
         version = st.step
@@ -217,7 +217,7 @@ class Trainer:
     def replay_epoch(self, epoch: int) -> int:
         """One pass over L2: eligible // groups_per_step draws by priority. Returns updates taken."""
         tc, st, world = self.tc, self.state, self.world
-        waited = wait_for_gate(self.run, epoch, self.cfg.sampler.poll_s, tc.wait_timeout_s)
+        waited = agreed(world, lambda: wait_for_gate(self.run, epoch, self.cfg.sampler.poll_s, tc.wait_timeout_s))
         n = self.buffer.eligible_replay_groups() // tc.groups_per_step
         done = 0
         for i in range(n):

@@ -4,6 +4,7 @@ by the step that takes it; it ends with the loop."""
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 
@@ -217,3 +218,25 @@ def test_the_first_take_polls_at_poll_s_for_its_first_seconds():
         run.stop = True  # a take still waiting ends at its next stop check
         taker.join(timeout=5)
         feed.close()
+
+
+@pytest.mark.parametrize("outcome, expected", [("stop", "TrainerStopped"), ("timeout", "TimeoutError"),
+                                               ("error", "OSError"), ("data", "groups")])
+def test_ranks_that_read_on_their_own_act_alike(tmp_path, outcome, expected):
+    """Rank 0 meets the stop marker (or a timeout, or a storage error) while rank 1 gets its data:
+    both stop, or both fail, instead of rank 1 training on alone into a collective."""
+    import json
+    import sys
+
+    from spawner import Spawner
+
+    worker = os.path.join(os.path.dirname(__file__), "agreed_worker.py")
+    outs = [str(tmp_path / f"rank{r}.json") for r in range(2)]
+    with Spawner() as spawn:
+        procs = [spawn([sys.executable, worker, str(r), str(tmp_path / "store"), outcome, outs[r]],
+                       env=dict(os.environ, OMP_NUM_THREADS="1")) for r in range(2)]
+        assert [p.wait(timeout=60) for p in procs] == [0, 0]
+    got = [json.load(open(o)) for o in outs]
+    other = {"TrainerStopped": "TrainerStopped", "TimeoutError": "TimeoutError", "OSError": "RuntimeError",
+             "groups": "groups"}[expected]
+    assert got == [expected, other]
