@@ -114,8 +114,16 @@ def _stream_tensors(source, sink, specs, pipe, capacity, log_every_s) -> None:
         reader.join()
 
 
-def _same_request(existing: dict, fmt: str, version, step) -> bool:
-    return existing.get("format") == fmt and existing.get("version") == version and existing.get("step") == step
+def _same_request(existing: dict, fmt: str, version, step, arch: str, specs) -> bool:
+    """Whether DST's committed output is what this call would write: the same layout, version and
+    step, the same architecture, and (where the manifest lists them) the same tensors and shapes."""
+    if (existing.get("format"), existing.get("version"), existing.get("step")) != (fmt, version, step):
+        return False
+    if existing.get("architecture", arch) != arch:
+        return False
+    listed = existing.get("tensors")
+    return not isinstance(listed, dict) or {n: list(t.get("shape", [])) for n, t in listed.items()} == \
+        {s.name: list(s.shape) for s in specs}
 
 
 def reshard(src_url: str, dst_url: str, to: str = "hf", *, policy_version: int | None = None,
@@ -148,10 +156,11 @@ def publish(src_url: str, dst_url: str, to: str = "hf", *, policy_version: int |
 
         existing = None if known_new else read_manifest(fs, root)
         if existing is not None:
-            if not _same_request(existing, str(fmt), version, step):
+            if not _same_request(existing, str(fmt), version, step, arch.name, source.specs):
                 raise ReshardError(
                     f"{dst_url} already holds {existing.get('format')} step {existing.get('step')} version "
-                    f"{existing.get('version')}, not {fmt} step {step} version {version}; choose another destination"
+                    f"{existing.get('version')} of {existing.get('architecture')}, not {fmt} step {step} version "
+                    f"{version} of these {arch.name} weights; choose another destination"
                 )
             verify(dst_url).raise_if_bad()
             return existing, False

@@ -101,9 +101,20 @@ def test_destination_inside_the_source_is_refused(tiny, tmp_path):
 def test_destination_holding_another_publication_is_refused(tiny, trainer_ckpt, tmp_path):
     out = str(tmp_path / "out")
     reshard(trainer_ckpt, out, to="hf")
-    with pytest.raises(ReshardError, match="already holds hf step 4 version 4, not tp:2"):
+    with pytest.raises(ReshardError, match="already holds hf step 4 version 4 of Qwen2ForCausalLM, not tp:2"):
         reshard(trainer_ckpt, out, to="tp:2")
     assert verify(out).ok
+
+
+def test_destination_holding_another_models_weights_is_refused_not_kept(tmp_path):
+    """hf to hf has no step or version: the architecture and tensors tell two models apart."""
+    from pipeline.example import ensure_tiny_arch
+
+    out = str(tmp_path / "out")
+    reshard(ensure_tiny_arch("qwen2"), out, to="hf")
+    assert reshard(ensure_tiny_arch("qwen2"), out, to="hf")["architecture"] == "Qwen2ForCausalLM"  # a retry
+    with pytest.raises(ReshardError, match="of Qwen2ForCausalLM, not hf step None version None of these LlamaForCausalLM"):
+        reshard(ensure_tiny_arch("llama3"), out, to="hf")
 
 
 @pytest.mark.parametrize("store", ["local", "object"])
