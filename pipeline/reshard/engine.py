@@ -21,7 +21,7 @@ import time
 
 import torch
 
-from ..storage import put_if_absent, url_to_fs
+from ..storage import list_names, put_if_absent, url_to_fs
 from .arch import EMBED, LM_HEAD, Architecture
 from .checkpoint import checkpoint_meta
 from .files import HashPipe
@@ -225,6 +225,7 @@ def _write(source, fs, root: str, fmt, arch: Architecture, header: dict, max_sha
             **sink.manifest_fields, "files": dict(sorted(sink.files.items())),
         }
         if put_if_absent(fs, f"{root}/{MANIFEST}", encode(manifest)):
+            _remove_strays(fs, root, manifest["files"])
             return manifest, True
         winner = read_manifest(fs, root)  # a concurrent run committed the same output first
         return winner, False
@@ -235,6 +236,18 @@ def _write(source, fs, root: str, fmt, arch: Architecture, header: dict, max_sha
         raise
     finally:
         pipe.close()
+
+
+def _remove_strays(fs, root: str, files: dict) -> None:
+    """Weight files at the top of `root` that the committed output does not list: left there by an
+    uncommitted write of another layout (a killed run, a reused folder), they would be read in its
+    place (an index of old shards comes before `model.safetensors` for some readers)."""
+    try:
+        names = list_names(fs, root)
+    except OSError:
+        return
+    strays = [n for n in names if n not in files and (n.endswith(".safetensors") or n.endswith(".safetensors.index.json"))]
+    _remove(fs, root, [f"{root}/{n}" for n in strays])
 
 
 def _remove(fs, root: str, paths: list[str]) -> None:

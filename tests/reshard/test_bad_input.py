@@ -199,3 +199,18 @@ def test_a_dcp_entry_that_imports_arbitrary_code_is_refused_on_resume(tmp_path):
     with pytest.raises(ReshardError, match="'trainer.step' holds more than plain values"):
         dcp_load({"w": torch.ones(2), "trainer": {"step": 0}}, str(tmp_path / "evil"))
     assert not (tmp_path / "pwned").exists()
+
+
+def test_weight_files_of_an_uncommitted_write_do_not_outlive_the_committed_output(tiny, tmp_path):
+    """A sharded write killed before its commit left an index and shards; the next output is one
+    file, and an index beside it would be read in its place."""
+    from pipeline.weights import HF_INDEX, load_state_dict
+
+    out = str(tmp_path / "out")
+    reshard(tiny[2], out, to="hf", max_shard_bytes=300_000)
+    os.remove(os.path.join(out, "manifest.json"))
+    assert HF_INDEX in os.listdir(out)
+    m = reshard(tiny[2], out, to="hf")
+    assert sorted(f for f in os.listdir(out) if "safetensors" in f) == ["model.safetensors"] == \
+        sorted(f for f in m["files"] if "safetensors" in f)
+    assert verify(out).ok and load_state_dict(out).keys() == load_state_dict(tiny[2]).keys()
