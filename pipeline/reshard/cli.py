@@ -33,8 +33,8 @@ def cmd_reshard(args: argparse.Namespace) -> int:
             return _verify(args.verify)
         if not (args.src and args.dst and args.to):
             raise ReshardError("usage: rlhf reshard SRC DST --to hf|tp:N|dcp:N  (or rlhf reshard --verify DST)")
-        if args.max_shard_gb <= 0:
-            raise ReshardError(f"--max-shard-gb: {args.max_shard_gb} must be positive")
+        if not 0 < args.max_shard_gb < 1e9:  # also refuses nan and inf
+            raise ReshardError(f"--max-shard-gb: {args.max_shard_gb} must be a positive number of GB")
         from .engine import publish
 
         t0 = time.monotonic()
@@ -49,6 +49,9 @@ def cmd_reshard(args: argparse.Namespace) -> int:
         return 0
     except ReshardError as e:
         print(f"error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:  # a destination that is a file, a folder it may not write, storage errors
+        print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
         return 2
 
 

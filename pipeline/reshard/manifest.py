@@ -69,6 +69,9 @@ def verify(url: str) -> Verification:
         if rel.startswith("/") or ".." in rel.split("/"):
             out.problems.append(f"{rel!r} points outside the folder")
             continue
+        if not isinstance(want, dict):
+            out.problems.append(f"{rel}: its manifest entry is not an object")
+            continue
         path = f"{root}/{rel}"
         try:
             size = fs.size(path)

@@ -152,6 +152,20 @@ def test_cli_converts_and_verifies(trainer_ckpt, tmp_path, capsys):
     assert "config.json is missing" in capsys.readouterr().out
     assert main(["reshard", trainer_ckpt, str(tmp_path / "x"), "--to", "tp:3"]) == 2
     assert "does not divide" in capsys.readouterr().err
+    # bad input is one line, not a traceback
+    for bad in ("nan", "inf", "0"):
+        assert main(["reshard", trainer_ckpt, str(tmp_path / "y"), "--to", "hf", "--max-shard-gb", bad]) == 2
+        assert "--max-shard-gb" in capsys.readouterr().err
+    (tmp_path / "a-file").write_text("")
+    assert main(["reshard", trainer_ckpt, str(tmp_path / "a-file"), "--to", "hf"]) == 2
+    assert capsys.readouterr().err.startswith("error: ")
+    with open(os.path.join(out, "manifest.json")) as f:
+        manifest = json.load(f)
+    manifest["files"]["config.json"] = "not an entry"
+    with open(os.path.join(out, "manifest.json"), "w") as f:
+        json.dump(manifest, f)
+    assert main(["reshard", "--verify", out]) == 1
+    assert "config.json: its manifest entry is not an object" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("choices", [(10, 300, 1000, 16), (16, 160, 320, 1000)])  # the second: exact fits
