@@ -164,7 +164,7 @@ def publish(src_url: str, dst_url: str, to: str = "hf", *, policy_version: int |
                 )
             verify(dst_url).raise_if_bad()
             return existing, False
-        _check_tied(source)  # reads two tensors: after the retry above, which has nothing to do
+        _check_tied(source, arch)  # reads two tensors: after the retry above, which has nothing to do
         header = {"format": str(fmt), "version": version, "step": step, "source_format": str(source.format),
                   "architecture": arch.name, "manifest_version": MANIFEST_VERSION}
         return _write(source, fs, root, fmt, arch, header, max_shard_bytes, extra)
@@ -192,10 +192,12 @@ class _Renamed:
         return self.inner.locate(self.names[name])
 
 
-def _check_tied(source: _Renamed) -> None:
-    """A tied output layer the output drops must be the embedding it stands for: a trainer that
-    let the two drift apart would otherwise publish a policy other than the one it trained."""
-    if LM_HEAD not in source.dropped:
+def _check_tied(source: _Renamed, arch: Architecture) -> None:
+    """A tied model's output layer must be its embedding where the source holds both: an output
+    that drops it (hf, tp) would publish a policy other than the one trained, and one that keeps
+    both names (dcp) would hold two matrices for what the config says is one."""
+    names = {s.name for s in source.inner.specs}
+    if not (arch.tied and LM_HEAD in names and EMBED in names):
         return
     head, embed = source.inner.read(LM_HEAD), source.inner.read(EMBED)
     if not torch.equal(head, embed):

@@ -137,7 +137,8 @@ def test_tied_output_layer_becomes_a_second_name_of_the_embedding_in_a_trainer_c
     assert _names(str(tmp_path / "hf")) == _names(src)
 
 
-def test_tied_weights_that_drifted_apart_are_refused_before_any_output(tmp_path):
+@pytest.mark.parametrize("to", ["hf", "dcp:2"])
+def test_tied_weights_that_drifted_apart_are_refused_before_any_output(tmp_path, to):
     from pipeline.weights import write_hf_folder
 
     model = load_hf(ensure_tiny_arch("qwen2-tied"))
@@ -146,7 +147,7 @@ def test_tied_weights_that_drifted_apart_are_refused_before_any_output(tmp_path)
     write_hf_folder(str(tmp_path / "src"), config=model.config, weights=weights)
     with pytest.raises(ReshardError, match=r"tie_word_embeddings is true but 'lm_head.weight' differs from "
                                            r"'model.embed_tokens.weight' \(max difference 0.25\)"):
-        reshard(str(tmp_path / "src"), str(tmp_path / "out"), to="hf")
+        reshard(str(tmp_path / "src"), str(tmp_path / "out"), to=to)
     assert not (tmp_path / "out").exists()
 
 
