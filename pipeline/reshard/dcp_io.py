@@ -210,6 +210,15 @@ def _check_cover(folder: str, key: str, spec: TensorSpec, chunks: list[_Chunk]) 
         raise ReshardError(
             f"{folder}: chunks of {key!r} cover {total} of {spec.numel} elements; a shard is missing from the checkpoint"
         )
+    if len(chunks) > 1 and spec.shape:  # equal volume and no overlap: they tile the tensor exactly
+        lo = torch.tensor([list(c.offsets) for c in chunks])
+        hi = lo + torch.tensor([list(c.sizes) for c in chunks])
+        meet = ((lo[:, None, :] < hi[None, :, :]) & (lo[None, :, :] < hi[:, None, :])).all(-1)
+        meet.fill_diagonal_(False)
+        if meet.any():
+            i, j = (int(x) for x in meet.nonzero()[0])
+            raise ReshardError(f"{folder}: chunks {list(chunks[i].offsets)} and {list(chunks[j].offsets)} of {key!r} "
+                               "overlap, so part of the tensor is in no shard; the checkpoint is corrupt")
 
 
 def dim0_chunks(length: int, n: int) -> list[tuple[int, int]]:

@@ -28,6 +28,27 @@ def test_missing_dcp_shard_is_named(tiny, trainer_ckpt, tmp_path):
     _no_output(tmp_path / "out")
 
 
+def test_overlapping_dcp_chunks_are_refused_not_filled_with_stale_memory(trainer_ckpt, tmp_path):
+    """Two chunks at one offset cover the right element count but leave a gap."""
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+
+    two = str(tmp_path / "two")
+    reshard(trainer_ckpt, two, to="dcp:2")
+    path = os.path.join(two, "dcp", ".metadata")
+    with open(path, "rb") as f:
+        md = pickle.load(f)  # a file this test wrote
+    key = next(k for k, v in md.state_dict_metadata.items()  # two chunks of one size: the count adds up
+               if len(getattr(v, "chunks", [])) == 2 and v.chunks[0].sizes == v.chunks[1].sizes)
+    c0, c1 = md.state_dict_metadata[key].chunks
+    md.state_dict_metadata[key].chunks = [c0, ChunkStorageMetadata(offsets=c0.offsets, sizes=c1.sizes)]
+    with open(path, "wb") as f:
+        pickle.dump(md, f)
+    os.remove(os.path.join(two, "manifest.json"))  # as a trainer's checkpoint, which has none
+    with pytest.raises(ReshardError, match=r"chunks \[0(, 0)?\] and \[0(, 0)?\] of .* overlap, so part"):
+        reshard(two, str(tmp_path / "out"), to="hf")
+    _no_output(tmp_path / "out")
+
+
 def test_missing_tp_rank_file_is_named(tiny, tmp_path):
     tp = str(tmp_path / "tp")
     reshard(tiny[2], tp, to="tp:2")
