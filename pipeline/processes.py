@@ -34,6 +34,8 @@ PROC = Path("/proc")
 
 def group_alive(pgid: int) -> bool:
     """True while the process group `pgid` has a member that is not a zombie."""
+    if pgid <= 0:  # 0 and negative numbers name no group of a child (killpg(0) is our own)
+        return False
     try:
         os.killpg(pgid, 0)
     except (ProcessLookupError, PermissionError):
