@@ -163,24 +163,36 @@ def run_local(cfg: RunConfig, run_url: str | None = None, progress: bool = True,
 
 
 def _engines(run: RunDir, cfg: RunConfig, extra_args=()) -> dict:
-    """The sampler replicas and the trainer, started with `extra_args` each."""
-    samplers = Replicas({sid: _child("sampler", run, cfg, cfg.sampler.threads, replica=i,
-                                     extra_args=(*extra_args, "--sampler-id", sid))
-                         for i, sid in enumerate(replica_ids(cfg.sampler.replicas))})
-    return {"sampler": samplers, "trainer": _trainer(run, cfg, extra_args)}
+    """The sampler replicas and the trainer, started with `extra_args` each. If one cannot be
+    started, those already started are stopped (nothing else knows of them yet)."""
+    started: list[subprocess.Popen] = []
+
+    def child(*args, **kwargs) -> subprocess.Popen:
+        started.append(_child(*args, **kwargs))
+        return started[-1]
+
+    try:
+        samplers = Replicas({sid: child("sampler", run, cfg, cfg.sampler.threads, replica=i,
+                                        extra_args=(*extra_args, "--sampler-id", sid))
+                             for i, sid in enumerate(replica_ids(cfg.sampler.replicas))})
+        return {"sampler": samplers, "trainer": _trainer(run, cfg, extra_args, child)}
+    except BaseException:
+        for p in started:
+            _terminate(p, grace_s=0.0)
+        raise
 
 
-def _trainer(run: RunDir, cfg: RunConfig, extra_args=()):
+def _trainer(run: RunDir, cfg: RunConfig, extra_args, child):
     """The trainer: one launcher, or with `trainer.nnodes: M` M launchers on this machine standing
     in for M nodes, meeting at a loopback rendezvous (what M Airflow tasks do across machines)."""
     nproc = trainer_ranks(cfg.devices, cfg.trainer.nproc_per_node)
     tc = cfg.trainer
     if tc.nnodes == 1:
-        return _child("trainer", run, cfg, tc.threads, nproc, extra_args=extra_args)
+        return child("trainer", run, cfg, tc.threads, nproc, extra_args=extra_args)
     from .rendezvous import free_port
 
     where = tc.rendezvous or f"127.0.0.1:{free_port()}"
-    return Replicas({f"trainer-node-{i}": _child("trainer", run, cfg, tc.threads, nproc, extra_args=extra_args,
+    return Replicas({f"trainer-node-{i}": child("trainer", run, cfg, tc.threads, nproc, extra_args=extra_args,
                                                   nnodes=tc.nnodes, node_rank=i, rendezvous=where,
                                                   rendezvous_id=run.run_id)
                      for i in range(tc.nnodes)}, all_needed=True)

@@ -70,3 +70,28 @@ def test_the_runner_stops_what_an_exited_child_left_in_its_group(groups):
     assert p.wait(timeout=10) == 1 and group_alive(p.pid)
     _terminate(p, grace_s=0.0)
     assert not group_alive(p.pid)
+
+
+def test_engines_already_started_are_stopped_when_the_next_cannot_start(monkeypatch, tmp_path):
+    import pipeline.local_runner as runner
+    from pipeline.config import parse_config
+    from pipeline.rundir import RunDir
+
+    started = []
+
+    def child(role, *a, **k):
+        if role == "trainer":
+            raise OSError("cannot fork: out of memory")
+        started.append(_group())
+        return started[-1]
+
+    monkeypatch.setattr(runner, "_child", child)
+    try:
+        with pytest.raises(OSError, match="cannot fork"):
+            runner._engines(RunDir(str(tmp_path / "r")), parse_config({"sampler": {"replicas": 2}}))
+        assert len(started) == 2 and not any(group_alive(p.pid) for p in started)
+    finally:
+        for p in started:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
