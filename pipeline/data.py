@@ -47,21 +47,46 @@ def _read_table(url: str, field: str) -> pa.Table:
         raise ConfigError(f"{field}: {url!r} is not a readable Parquet file ({e})") from None
 
 
+def _parquet_file(url: str, field: str) -> pq.ParquetFile:
+    """The dataset opened for reading parts of it (its schema, a column, the first rows)."""
+    with reaching(field, url):
+        fs, path = url_to_fs(url)
+        if not fs.exists(path):
+            raise ConfigError(f"{field}: dataset {url!r} not found; give a Parquet file in verl's column layout")
+        f = fs.open(path, "rb")
+    try:
+        return pq.ParquetFile(f)
+    except (pa.ArrowInvalid, OSError) as e:
+        f.close()
+        raise ConfigError(f"{field}: {url!r} is not a readable Parquet file ({e})") from None
+
+
 def validate_columns(table: pa.Table, url: str, field: str) -> None:
-    names = set(table.column_names)
+    validate_schema(table.schema, table.num_rows, url, field)
+
+
+def validate_schema(schema: pa.Schema, num_rows: int, url: str, field: str) -> None:
+    names = set(schema.names)
     for col in REQUIRED:
         top, _, sub = col.partition(".")
         ok = top in names
         if ok and sub:
-            t = table.schema.field(top).type
+            t = schema.field(top).type
             ok = pa.types.is_struct(t) and t.get_field_index(sub) >= 0
         if not ok:
             raise ConfigError(
                 f"{field}: dataset {url!r} lacks column '{col}'; verl format needs "
                 f"{', '.join(REQUIRED)} (found: {', '.join(sorted(names))})"
             )
-    if table.num_rows == 0:
+    if num_rows == 0:
         raise ConfigError(f"{field}: dataset {url!r} has no rows")
+
+
+def data_sources(url: str, field: str) -> set[str]:
+    """The distinct `data_source` values of a dataset (that one column is read)."""
+    with _parquet_file(url, field) as pf:
+        validate_schema(pf.schema_arrow, pf.metadata.num_rows, url, field)
+        return {str(s) for s in pf.read(columns=["data_source"], use_threads=False).column(0).unique().to_pylist()}
 
 
 def prompt_id_of(row: dict, index: int) -> str:
@@ -70,9 +95,15 @@ def prompt_id_of(row: dict, index: int) -> str:
 
 
 def load_prompts(url: str, field: str = "data.train", limit: int | None = None) -> list[PromptRow]:
-    table = _read_table(url, field)
-    validate_columns(table, url, field)
-    if limit is not None:
+    """The dataset's prompts; with `limit`, its first rows only, read without the rest (checking
+    a dataset of millions of rows reads its schema and one batch, not the whole file)."""
+    if limit is None:
+        table = _read_table(url, field)
+        validate_columns(table, url, field)
+    else:
+        with _parquet_file(url, field) as pf:
+            validate_schema(pf.schema_arrow, pf.metadata.num_rows, url, field)
+            table = pa.Table.from_batches([next(pf.iter_batches(batch_size=max(limit, 1), use_threads=False))])
         table = table.slice(0, limit)
     rows = []
     for i, r in enumerate(table.to_pylist()):

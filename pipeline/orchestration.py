@@ -59,8 +59,9 @@ def resolve_sources(cfg: RunConfig) -> dict:
 
 def validate_inputs(cfg: RunConfig) -> dict:
     """Everything that can be checked without loading a model: reward, datasets, model folder."""
-    from .data import load_prompts
+    from .data import data_sources, load_prompts
     from .models import ships_required_code
+    from .scoring import check_sources
     from .locations import reaching
     from .rewards import check_reward_spec
     from .storage import url_to_fs
@@ -72,6 +73,10 @@ def validate_inputs(cfg: RunConfig) -> dict:
     src = resolve_sources(cfg)
     load_prompts(src["train"], "data.train", limit=1)
     load_prompts(src["eval"], "data.eval", limit=1)
+    try:  # held-out evaluations score with the rule reward whatever reward.kind the training uses
+        check_sources(cfg.reward.model_copy(update={"kind": "rule"}), data_sources(src["eval"], "data.eval"))
+    except ConfigError as e:
+        raise ConfigError(f"data.eval: {e} (the held-out evaluation scores with the rule reward)") from None
     with reaching("model.path", src["model"]):
         fs, path = url_to_fs(src["model"])
         if not fs.exists(path.rstrip("/") + "/config.json"):

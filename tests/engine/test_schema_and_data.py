@@ -54,6 +54,52 @@ def test_dataset_missing_column_is_named(tmp_path):
         load_prompts(url, "data.train")
 
 
+@pytest.mark.parametrize("limit", [None, 1])
+def test_dataset_missing_column_is_named_whether_all_rows_or_the_first_are_read(tmp_path, limit):
+    rows = make_rows("sort", 4, 0, "train")
+    for r in rows:
+        del r["data_source"]
+    url = str(tmp_path / "bad.parquet")
+    write_rows(rows, url)
+    with pytest.raises(ConfigError, match="lacks column 'data_source'"):
+        load_prompts(url, "data.train", limit=limit)
+
+
+def test_checking_a_dataset_reads_its_first_rows_not_the_whole_file(tmp_path):
+    """The first row group only: prepare checks datasets of millions of rows in the Airflow worker."""
+    url = str(tmp_path / "many.parquet")
+    pq.write_table(pa.Table.from_pylist(make_rows("sort", 3000, 0, "train")), url, row_group_size=500)
+    seen = {}
+    real = pq.ParquetFile.iter_batches
+
+    def counting(self, *a, **k):
+        for b in real(self, *a, **k):
+            seen["rows"] = seen.get("rows", 0) + b.num_rows
+            yield b
+
+    pq.ParquetFile.iter_batches = counting
+    try:
+        assert [r.data_source for r in load_prompts(url, "data.train", limit=2)] == ["builtin/sort"] * 2
+    finally:
+        pq.ParquetFile.iter_batches = real
+    assert seen["rows"] == 2
+
+
+def test_a_held_out_set_the_rule_reward_cannot_score_is_refused_at_prepare(tmp_path):
+    """Evaluations score with the rule reward, also in runs trained on a reward model: an unknown
+    data_source of data.eval failed only in finalize, after all the training."""
+    from pipeline.config import parse_config
+    from pipeline.orchestration import validate_inputs
+
+    url = str(tmp_path / "eval.parquet")
+    write_rows(_verl_rows(["1", "2"]), url)
+    for reward in ({"fn": "auto"}, {"kind": "model", "model": "/models/rm"}):
+        cfg = parse_config({"model": {"path": "builtin:sort"}, "data": {"train": "builtin:sort", "eval": url},
+                            "reward": reward})
+        with pytest.raises(ConfigError, match="data.eval: reward.fn=auto: no built-in reward for data_source 'my/task'"):
+            validate_inputs(cfg)
+
+
 def test_dataset_rows_load_with_ids(tmp_path):
     url = str(tmp_path / "ok.parquet")
     write_rows(make_rows("digit", 5, 0, "train"), url)
