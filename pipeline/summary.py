@@ -74,6 +74,7 @@ def sampler_streams(run: RunDir) -> list[str]:
 
 def build_summary(run: RunDir, eval_before: dict, eval_after: dict, policy_version: int) -> dict:
     trainer = [r for r in run.read_metrics("trainer") if "step" in r]
+    fresh = [r for r in trainer if not r.get("replay/is_replay")]  # replayed groups are older by design
     sampler = [r for s in sampler_streams(run) for r in run.read_metrics(s)]
     s_busy, t_busy = _busy(sampler), _busy(trainer)
     trainer_starts = [r["time"] for r in run.read_metrics("trainer") if r.get("event") == "start"]
@@ -89,8 +90,8 @@ def build_summary(run: RunDir, eval_before: dict, eval_after: dict, policy_versi
         "eval_after": round(eval_after["score"], 4),
         "eval_before_detail": eval_before,
         "eval_after_detail": eval_after,
-        "reward_first": round(trainer[0]["reward/mean"], 4) if trainer else None,
-        "reward_last": round(trainer[-1]["reward/mean"], 4) if trainer else None,
+        "reward_first": round(fresh[0]["reward/mean"], 4) if fresh else None,
+        "reward_last": round(fresh[-1]["reward/mean"], 4) if fresh else None,
         "steps": trainer[-1]["step"] if trainer else 0,
         "samples_generated": sum(r["sampler/samples"] for r in gen),
         "samples_trained": sum(r["trainer/samples"] for r in trainer),
@@ -102,5 +103,5 @@ def build_summary(run: RunDir, eval_before: dict, eval_after: dict, policy_versi
         "overlap_s": round(overlap_seconds(s_busy, t_busy), 2),
         "overlap_ratio": overlap_ratio(wall, sampler_busy, trainer_busy),
         "policy_versions": policy_version,
-        "max_staleness_seen": max((r["staleness/max"] for r in trainer), default=0),
+        "max_staleness_seen": max((r["staleness/max"] for r in fresh), default=0),  # bounded by sampler.max_staleness
     }
