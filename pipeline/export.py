@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import io
 import json
+import math
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -88,6 +89,8 @@ def select_version(table: pa.Table, run: RunDir, version: int | None) -> pa.Tabl
     """The rows of the groups that made policy `version` (all rows when None)."""
     if version is None:
         return table
+    if version < 1:
+        raise ConfigError(f"--version {version}: policy versions made by training start at 1 (v0 is the model trained from)")
     from .lineage import groups_of_version, read_ledger
 
     ledger = read_ledger(run)
@@ -110,10 +113,13 @@ def with_usage(table: pa.Table, run: RunDir) -> pa.Table:
 
 
 def _groups(table: pa.Table) -> list[list[dict]]:
-    """Rows by group, each group's rows by sample id (a stable order for ties)."""
+    """Rows by group, each group's rows by sample id (a stable order for ties). Rows whose reward
+    is not a finite number (NaN from a reward model) are left out: no order ranks them."""
     cols = ["group_id", "prompt_id", "sample_id", "response_text", "reward", "policy_version", "data_source"]
     out: dict[str, list[dict]] = {}
     for r in table.select(cols).to_pylist():
+        if r["reward"] is None or not math.isfinite(r["reward"]):
+            continue
         out.setdefault(r["group_id"], []).append(r)
     return [sorted(rows, key=lambda r: r["sample_id"]) for _, rows in sorted(out.items())]
 
@@ -165,6 +171,8 @@ def export(run_url: str, fmt: str, out: str, *, force: bool = False, version: in
     fs, path = check_output(out, run, force)
     table = select_version(archive_table(run), run, version)
     if fmt == "parquet":
+        if table.num_rows == 0:
+            raise ConfigError(f"{run.url}: no archived rows{'' if version is None else f' of the groups that made version {version}'}")
         result = with_usage(table, run)
     else:
         prompts = prompts_by_id(run)

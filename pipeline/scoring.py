@@ -10,6 +10,7 @@ counted: `reward/errors`, `reward/timeouts` in the batch's metrics.
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
@@ -88,6 +89,10 @@ class RewardScorer:
     def score_batch(self, samples: list[RewardSample]) -> BatchScores:
         if self.model is not None:
             values = self.model.score([s.messages for s in samples], [s.solution_str for s in samples])
+            bad = [i for i, v in enumerate(values) if not math.isfinite(v)]
+            if bad:  # a broken reward model (weights, overflow): its other scores are not to be trusted either
+                raise RewardError(f"reward model {self.cfg.model!r} scored {len(bad)} of {len(values)} samples "
+                                  f"{values[bad[0]]} (sample {bad[0]}); check the model and model.dtype")
             return BatchScores([Score(v) for v in values])
         items = [(s.data_source, s.solution_str, s.ground_truth, s.extra_info) for s in samples]
         outcomes = self.rules.score(items)

@@ -140,3 +140,15 @@ def test_auto_checks_every_data_source_before_sampling():
     with pytest.raises(ConfigError, match=r"no built-in reward for data_source 'my/task'; known: "):
         check_sources(RewardConfig(), ["builtin/digit", "my/task"])
     check_sources(RewardConfig(fn="digit"), ["my/task"])  # a named reward scores any source
+
+
+def test_a_reward_model_scoring_nan_stops_the_run_instead_of_training_on_it():
+    scorer = RewardScorer.__new__(RewardScorer)  # the model path without loading one
+
+    class Model:
+        def score(self, messages, answers):
+            return [0.5, float("nan"), 0.1]
+
+    scorer.cfg, scorer.model, scorer.rules = RewardConfig(kind="model", model="/models/rm"), Model(), None
+    with pytest.raises(RewardError, match="scored 1 of 3 samples nan"):
+        scorer.score_batch(_samples("a", "b", "c"))

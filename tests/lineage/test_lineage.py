@@ -164,6 +164,30 @@ def test_sft_and_parquet_exports_and_their_output_checks(replay_run, tmp_path):
     assert table.num_rows == archive(replay_run).num_rows
     for r in table.select(["group_id", "fresh_uses", "replay_uses"]).to_pylist():
         assert r["replay_uses"] == uses.get(r["group_id"], 0)
+    # no version 0 (nothing trained made it): refused, not an empty file
+    from pipeline.config import ConfigError
+    from pipeline.export import export
+
+    for fmt in ("parquet", "sft"):
+        with pytest.raises(ConfigError, match="--version 0: policy versions made by training start at 1"):
+            export(replay_run.url, fmt, str(tmp_path / f"v0.{fmt}"), version=0)
+    assert not list(tmp_path.glob("v0.*"))
+
+
+def test_a_reward_that_is_not_a_number_pairs_nothing_whatever_its_place():
+    import pyarrow as pa
+
+    from pipeline.data import PromptRow
+    from pipeline.export import _groups, dpo_rows, sft_rows
+
+    prompts = {"p": PromptRow("p", "s", "hi", None, None)}
+    nan = float("nan")
+    for rewards in ([nan, 0.2, 0.9], [0.2, nan, 0.9], [0.2, 0.9, nan]):
+        table = pa.Table.from_pylist([{"group_id": "g", "prompt_id": "p", "sample_id": f"s{i}", "response_text": f"r{i}",
+                                       "reward": r, "policy_version": 1, "data_source": "s"} for i, r in enumerate(rewards)])
+        groups = _groups(table)
+        assert [(r["chosen_reward"], r["rejected_reward"]) for r in dpo_rows(groups, prompts)] == [(0.9, 0.2)]
+        assert [r["reward"] for r in sft_rows(groups, prompts)] == [0.9]
 
 
 def test_rescore_scores_the_archive_with_another_reward_and_leaves_the_run_alone(replay_run, tmp_path):
