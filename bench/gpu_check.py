@@ -156,7 +156,7 @@ def build_inputs(p: Profile, work: Path) -> tuple[str, dict]:
 
     from pipeline.data import write_rows
     from pipeline.tiny_model import build_tokenizer
-    from pipeline.builtin_tasks import corpus, make_rows
+    from pipeline.builtin_tasks import corpus, make_rows, prompts_of
 
     tok = build_tokenizer(corpus("sort", 0))
     eos, pad = tok.eos_token_id, tok.pad_token_id
@@ -172,8 +172,9 @@ def build_inputs(p: Profile, work: Path) -> tuple[str, dict]:
     params = sum(t.numel() for t in model.parameters())  # tied: the shared matrix counted once
     del model
     (work / "data").mkdir(exist_ok=True)
-    write_rows(make_rows("sort", max(2000, p.prompts, p.train_groups), 0, "train"), str(work / "data" / "train.parquet"))
-    write_rows(make_rows("sort", 32, 0, "test"), str(work / "data" / "test.parquet"))
+    train = make_rows("sort", max(2000, p.prompts, p.train_groups), 0, "train")
+    write_rows(train, str(work / "data" / "train.parquet"))
+    write_rows(make_rows("sort", 32, 0, "test", exclude=prompts_of(train)), str(work / "data" / "test.parquet"))
     (work / "noise_reward.py").write_text(NOISE_REWARD)
     return str(model_dir), {"parameters": params, "tokenizer_vocab": len(tok), **{k: p.shape[k] for k in (
         "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "intermediate_size",

@@ -17,7 +17,7 @@ extra_info=None) -> float | dict`.
 from __future__ import annotations
 
 import random
-from typing import Callable
+from typing import Callable, Collection
 
 TASKS = ("sort", "digit", "repeat")
 ABILITY = {"sort": "sorting", "digit": "copying", "repeat": "repetition"}
@@ -61,25 +61,41 @@ def _row(task: str, content: str, answer: str, index: int, split: str) -> dict:
     }
 
 
-def make_rows(task: str, n: int, seed: int, split: str) -> list[dict]:
-    """`n` deterministic rows of `task` for `split` (train and test use disjoint seeds)."""
+def make_rows(task: str, n: int, seed: int, split: str, exclude: Collection[str] = ()) -> list[dict]:
+    """`n` deterministic rows of `task` for `split` (its own random stream per split). With
+    `exclude` (the train split's prompts, for a held-out split), no prompt is one of those, and no
+    two are alike: held-out scores are then measured on prompts the policy never trained on. `digit`
+    has ten prompts in all, so its splits are the same ten."""
     if task not in TASKS:
         raise ValueError(f"unknown built-in task {task!r}; choose one of {', '.join(TASKS)}")
     rng = random.Random(f"{task}/{split}/{seed}")
-    rows = []
-    for i in range(n):
-        if task == "sort":
-            k = rng.randint(3, 7)
-            digits = "".join(rng.choice("0123456789") for _ in range(k))
-            rows.append(_row(task, f"sort {digits}:", "".join(sorted(digits)), i, split))
-        elif task == "repeat":
-            pattern = "".join(rng.choice("0123456789") for _ in range(rng.randint(3, 6)))
-            times = rng.randint(-(-40 // len(pattern)), 64 // len(pattern))  # 40-64 digits in all
-            rows.append(_row(task, f"repeat {pattern} {times}:", pattern * times, i, split))
-        else:
-            d = str(rng.randint(0, 9))
-            rows.append(_row(task, f"say {d}:", d, i, split))
+    seen = set(exclude) if task != "digit" else None
+    rows: list[dict] = []
+    while len(rows) < n:
+        prompt, answer = _draw(task, rng)
+        if seen is not None and exclude:
+            if prompt in seen:
+                continue
+            seen.add(prompt)
+        rows.append(_row(task, prompt, answer, len(rows), split))
     return rows
+
+
+def prompts_of(rows: list[dict]) -> set[str]:
+    return {r["prompt"][0]["content"] for r in rows}
+
+
+def _draw(task: str, rng: random.Random) -> tuple[str, str]:
+    if task == "sort":
+        k = rng.randint(3, 7)
+        digits = "".join(rng.choice("0123456789") for _ in range(k))
+        return f"sort {digits}:", "".join(sorted(digits))
+    if task == "repeat":
+        pattern = "".join(rng.choice("0123456789") for _ in range(rng.randint(3, 6)))
+        times = rng.randint(-(-40 // len(pattern)), 64 // len(pattern))  # 40-64 digits in all
+        return f"repeat {pattern} {times}:", pattern * times
+    d = str(rng.randint(0, 9))
+    return f"say {d}:", d
 
 
 def corpus(task: str, seed: int, n: int = 4000) -> list[str]:

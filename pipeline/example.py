@@ -24,17 +24,23 @@ import time
 import uuid
 
 from .model_cache import cache_dir
-from .builtin_tasks import TASKS, corpus, make_rows
+from .builtin_tasks import TASKS, corpus, make_rows, prompts_of
 
 # torch, transformers and the tokenizer builder load inside the builders: a run whose example is
 # already cached (`ensure_example`) starts without them.
 
-EXAMPLE_VERSION = 1
+EXAMPLE_VERSION = 2  # 2: the test split holds no train prompt and none twice
 # Supervised warm-start steps per task: enough that sampled answers earn partial credit,
 # far from enough to solve the task (RL does the rest).
 # `repeat` answers are 40-64 tokens long: more steps before sampled answers earn partial credit (~0.25).
 WARM_STEPS = {"sort": 25, "digit": 0, "repeat": 200}
 SPLITS = {"train": 4000, "test": 256}
+
+
+def split_rows(task: str, seed: int) -> dict[str, list[dict]]:
+    """The example's prompts: the held-out split has none of the train split's, and none twice."""
+    train = make_rows(task, SPLITS["train"], seed, "train")
+    return {"train": train, "test": make_rows(task, SPLITS["test"], seed, "test", exclude=prompts_of(train))}
 
 
 def example_dir(task: str, seed: int = 0, size: str = "tiny") -> str:
@@ -98,7 +104,7 @@ def build_example(out_dir: str, task: str = "sort", seed: int = 0, size: str = "
     t0 = time.time()
     tmp = f"{out_dir.rstrip('/')}.tmp-{uuid.uuid4().hex[:8]}"
     os.makedirs(os.path.join(tmp, "data"), exist_ok=True)
-    rows = {split: make_rows(task, n, seed, split) for split, n in SPLITS.items()}
+    rows = split_rows(task, seed)
     for split, r in rows.items():
         write_rows(r, os.path.join(tmp, "data", f"{split}.parquet"))
     tok = build_tokenizer(corpus(task, seed))

@@ -165,3 +165,24 @@ def test_a_store_that_cannot_be_reached_is_a_config_error_naming_the_field(monke
     monkeypatch.setattr(data, "url_to_fs", fail)
     with pytest.raises(ConfigError, match=f"data.eval: .*{message}"):
         load_prompts("gs://b/t.parquet", "data.eval")
+
+
+@pytest.mark.parametrize("task", ["sort", "repeat"])
+def test_the_built_in_held_out_prompts_are_unseen_in_training_and_distinct(task):
+    from pipeline.example import split_rows
+
+    rows = split_rows(task, 0)
+    seen = {r["prompt"][0]["content"] for r in rows["train"]}
+    held_out = [r["prompt"][0]["content"] for r in rows["test"]]
+    assert len(held_out) == 256 and len(set(held_out)) == 256 and not seen & set(held_out)
+
+
+def test_the_built_in_example_holds_those_splits():
+    import os
+
+    from pipeline.example import ensure_example, split_rows
+
+    folder = ensure_example("sort")
+    for split, rows in split_rows("sort", 0).items():
+        got = load_prompts(os.path.join(folder, "data", f"{split}.parquet"))
+        assert [p.messages for p in got] == [r["prompt"] for r in rows]
