@@ -35,7 +35,7 @@ log = logging.getLogger(__name__)
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9  # Hugging Face's default shard size
 RING_SLACK = 64 << 20
 _RESERVED = {"format", "version", "step", "source_format", "architecture", "files", "tensors", "manifest_version",
-             "tp_size", "rank_files", "world_size"}
+             "tp_size", "rank_files", "world_size", "source_url"}
 
 
 def ring_capacity(specs) -> int:
@@ -114,12 +114,16 @@ def _stream_tensors(source, sink, specs, pipe, capacity, log_every_s) -> None:
         reader.join()
 
 
-def _same_request(existing: dict, fmt: str, version, step, arch: str, specs) -> bool:
+def _same_request(existing: dict, fmt: str, version, step, arch: str, specs, source_url: str | None) -> bool:
     """Whether DST's committed output is what this call would write: the same layout, version and
-    step, the same architecture, and (where the manifest lists them) the same tensors and shapes."""
+    step, the same architecture, and (where the manifest lists them) the same tensors and shapes.
+    An output with neither version nor step (a model folder converted as it is) also names its
+    source: another fine-tune of the same base has the same shapes."""
     if (existing.get("format"), existing.get("version"), existing.get("step")) != (fmt, version, step):
         return False
     if existing.get("architecture", arch) != arch:
+        return False
+    if source_url is not None and existing.get("source_url", source_url) != source_url:
         return False
     listed = existing.get("tensors")
     return not isinstance(listed, dict) or {n: list(t.get("shape", [])) for n, t in listed.items()} == \
@@ -154,9 +158,10 @@ def publish(src_url: str, dst_url: str, to: str = "hf", *, policy_version: int |
         version = policy_version if policy_version is not None else source.policy_version
         step = source.step if source.step is not None else (extra or {}).get("step")
 
+        identity = source.url if version is None and step is None else None
         existing = None if known_new else read_manifest(fs, root)
         if existing is not None:
-            if not _same_request(existing, str(fmt), version, step, arch.name, source.specs):
+            if not _same_request(existing, str(fmt), version, step, arch.name, source.specs, identity):
                 raise ReshardError(
                     f"{dst_url} already holds {existing.get('format')} step {existing.get('step')} version "
                     f"{existing.get('version')} of {existing.get('architecture')}, not {fmt} step {step} version "
@@ -166,7 +171,8 @@ def publish(src_url: str, dst_url: str, to: str = "hf", *, policy_version: int |
             return existing, False
         _check_tied(source, arch)  # reads two tensors: after the retry above, which has nothing to do
         header = {"format": str(fmt), "version": version, "step": step, "source_format": str(source.format),
-                  "architecture": arch.name, "manifest_version": MANIFEST_VERSION}
+                  "architecture": arch.name, "manifest_version": MANIFEST_VERSION,
+                  **({"source_url": identity} if identity is not None else {})}
         return _write(source, fs, root, fmt, arch, header, max_shard_bytes, extra)
     finally:
         source.close()

@@ -247,23 +247,31 @@ class OutFile:
     def abort(self) -> None:
         """Drop what was written: nothing appears under the file's name. On an object store,
         closing the file would complete the upload, so the upload is discarded instead (s3fs
-        aborts the multipart upload; a store without `discard` gets the object removed)."""
-        try:
-            if self._tmp is None and hasattr(self._f, "discard"):
-                self._f.discard()
-            else:
-                self._f.close()
-        except Exception:  # noqa: BLE001 - best effort cleanup of a failed write
-            pass
+        aborts the multipart upload) and the file marked closed; a file object without `discard`
+        is closed and the object removed."""
         if self._tmp is not None:
+            try:
+                self._f.close()
+            except Exception:  # noqa: BLE001 - best effort cleanup of a failed write
+                pass
             if os.path.exists(self._tmp):
                 os.unlink(self._tmp)
-        else:
-            try:
-                if self.fs.exists(self.path):
-                    self.fs.rm_file(self.path)
-            except Exception:  # noqa: BLE001
-                pass
+            return
+        try:
+            if hasattr(self._f, "discard"):
+                self._f.discard()
+                # closed as far as fsspec knows: a store whose discard() does nothing (or nothing
+                # yet: gcsfs before its first part) would otherwise upload it when it is collected
+                self._f.closed = True
+                return
+        except Exception:  # noqa: BLE001 - e.g. a file object whose `closed` cannot be set
+            pass
+        try:  # closing completes the upload: then the object goes
+            self._f.close()
+            if self.fs.exists(self.path):
+                self.fs.rm_file(self.path)
+        except Exception:  # noqa: BLE001
+            pass
 
 
 def _read_segments(segments: list[tuple[int, int, int]]) -> memoryview:

@@ -136,6 +136,9 @@ def test_destination_holding_another_models_weights_is_refused_not_kept(tmp_path
     assert reshard(ensure_tiny_arch("qwen2"), out, to="hf")["architecture"] == "Qwen2ForCausalLM"  # a retry
     with pytest.raises(ReshardError, match="of Qwen2ForCausalLM, not hf step None version None of these LlamaForCausalLM"):
         reshard(ensure_tiny_arch("llama3"), out, to="hf")
+    other = _copy(ensure_tiny_arch("qwen2"), tmp_path / "another-finetune")  # same base, same shapes
+    with pytest.raises(ReshardError, match="already holds"):
+        reshard(other, out, to="hf")
 
 
 @pytest.mark.parametrize("store", ["local", "object"])
@@ -235,3 +238,39 @@ def test_weight_files_of_an_uncommitted_write_do_not_outlive_the_committed_outpu
     assert sorted(f for f in os.listdir(out) if "safetensors" in f) == ["model.safetensors"] == \
         sorted(f for f in m["files"] if "safetensors" in f)
     assert verify(out).ok and load_state_dict(out).keys() == load_state_dict(tiny[2]).keys()
+
+
+def test_an_aborted_upload_is_not_completed_when_its_file_object_is_collected():
+    """fsspec's own discard() does nothing, and gcsfs's nothing before the first part: a file
+    object left open would upload what it holds when it is garbage-collected."""
+    import gc
+
+    from fsspec.spec import AbstractBufferedFile
+
+    from pipeline.reshard.files import OutFile
+
+    uploaded = []
+
+    class Upload(AbstractBufferedFile):
+        def _initiate_upload(self):
+            pass
+
+        def _upload_chunk(self, final=False):
+            uploaded.append(self.buffer.tell())
+            return True
+
+    class Store:  # a remote store, as OutFile sees one
+        protocol = "fake"
+
+        def open(self, path, mode):
+            return Upload(self, path, mode=mode, block_size=5 * 2**20)
+
+        def invalidate_cache(self, path=None):
+            pass
+
+    out = OutFile(Store(), "bucket/v7/model.safetensors")
+    out.write(b"x" * 1000)
+    out.abort()
+    del out
+    gc.collect()
+    assert uploaded == []
