@@ -13,8 +13,9 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterator
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -47,18 +48,20 @@ def _read_table(url: str, field: str) -> pa.Table:
         raise ConfigError(f"{field}: {url!r} is not a readable Parquet file ({e})") from None
 
 
-def _parquet_file(url: str, field: str) -> pq.ParquetFile:
+@contextmanager
+def _parquet_file(url: str, field: str) -> Iterator[pq.ParquetFile]:
     """The dataset opened for reading parts of it (its schema, a column, the first rows)."""
     with reaching(field, url):
         fs, path = url_to_fs(url)
         if not fs.exists(path):
             raise ConfigError(f"{field}: dataset {url!r} not found; give a Parquet file in verl's column layout")
         f = fs.open(path, "rb")
-    try:
-        return pq.ParquetFile(f)
-    except (pa.ArrowInvalid, OSError) as e:
-        f.close()
-        raise ConfigError(f"{field}: {url!r} is not a readable Parquet file ({e})") from None
+    with f:
+        try:
+            pf = pq.ParquetFile(f)
+        except (pa.ArrowInvalid, OSError) as e:
+            raise ConfigError(f"{field}: {url!r} is not a readable Parquet file ({e})") from None
+        yield pf
 
 
 def validate_columns(table: pa.Table, url: str, field: str) -> None:

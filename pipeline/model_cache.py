@@ -43,6 +43,7 @@ def localize(url: str) -> str:
     dst.parent.mkdir(parents=True, exist_ok=True)
     _sweep_abandoned(dst.parent, key)
     tmp = Path(tempfile.mkdtemp(prefix=f".{key}-", dir=dst.parent))
+    os.chmod(tmp, 0o755)  # mkdtemp's 0700 would keep the cache from processes of other users
     try:
         fs.get(path.rstrip("/") + "/", str(tmp) + "/", recursive=True)
         (tmp / ".complete").write_text(url)

@@ -247,7 +247,7 @@ class RewardWorker(_RuleRewards):
     def wait_ready(self) -> None:
         """Block until the worker has loaded the reward function; ConfigError if it could not.
         A worker that died since the last batch (the OOM killer, a stray signal) is started again."""
-        if self._proc is not None and self._proc.poll() is not None:
+        if self._ready and self._proc is not None and self._proc.poll() is not None:
             log.warning("reward worker for %s exited with code %s between batches; starting a new one",
                         self.spec, self._kill())
         if self._proc is None:

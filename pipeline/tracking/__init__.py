@@ -12,7 +12,7 @@ to log the held-out evaluations at the steps of the versions it scored (`eval/sc
 policy version K). Tracker libraries are imported only when a backend is chosen; a missing one is
 a ConfigError naming the extra to install. A tracker that cannot be opened or fails while logging
 (a tracking server that is down or went away) logs a warning and is dropped; training goes on.
-MLflow's client gives up on a server that does not answer within seconds (`MLFLOW_CLIENT_ENV`).
+MLflow's client gives up on a server that does not answer after one retry (`MLFLOW_CLIENT_ENV`).
 """
 
 from __future__ import annotations

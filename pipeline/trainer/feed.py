@@ -10,6 +10,7 @@ nothing on its critical path; on a local disk little either way.
 
 from __future__ import annotations
 
+import logging
 import math
 import threading
 import time
@@ -22,6 +23,7 @@ from ..buffer import ReplayBuffer, bounds_consumer_progress
 from ..rundir import RunDir
 
 T = TypeVar("T")
+log = logging.getLogger("rlhf.trainer")
 
 MARK_EVERY_S = 2.0
 FIRST_TAKE_STEADY_S = 5.0  # see FreshFeed
@@ -50,12 +52,14 @@ def agreed(world, wait: Callable[[], T]) -> T:
     agreed_outcome = world.max_int(outcome)
     if agreed_outcome == outcome and error is not None:
         raise error
+    if error is not None:  # another rank's outcome wins: this rank's own is logged, not lost
+        log.error("rank %d: %s: %s (another rank's outcome is raised)", world.rank, type(error).__name__, error)
     if agreed_outcome == 1:
         raise TrainerStopped("another rank met the stop marker")
     if agreed_outcome == 2:
-        raise TimeoutError("another rank timed out waiting for data or a replay gate")
+        raise TimeoutError("another rank timed out waiting for data or a replay gate") from error
     if agreed_outcome == 3:
-        raise RuntimeError("another rank failed while reading data or waiting for a replay gate; see its log")
+        raise RuntimeError("another rank failed while reading data or waiting for a replay gate; see its log") from error
     return result
 
 

@@ -129,7 +129,7 @@ class Trainer:
             log.info("trainer: resumed from %s (step %d)", ck.url, self.state.step)
         if world.is_main:  # also without a checkpoint: a trainer killed before its first one redoes every step
             rollback_metrics(run, self.state.step)
-            self.buffer.mark_resumable(self.state.cursor_dict())  # compaction keeps what a restart redoes
+            self._mark_resumable()  # compaction keeps what a restart redoes
         self.metrics = run.metrics("trainer") if world.is_main else NullMetrics()
         # the ledger and the trackers resume with the checkpoint: what came after it is redone
         self.lineage = LineageWriter(run, self.state.updates) if world.is_main else NullLineage()
@@ -302,8 +302,17 @@ class Trainer:
         ck = save_checkpoint(self.run, self.actor, self.opt, self.sched, self.state, self.tokenizer, self.world,
                              kind=kind, keep=self.tc.keep_checkpoints)
         if self.world.is_main:  # a restart now redoes nothing before it: compaction may archive up to it
-            self.buffer.mark_resumable(self.state.cursor_dict())
+            self._mark_resumable()
         return ck
+
+    def _mark_resumable(self) -> None:
+        """Rank 0 alone writes it: a storage error here costs a warning (a mark left behind only
+        makes compaction keep more), not rank 0 failing while the others wait in a collective."""
+        try:
+            self.buffer.mark_resumable(self.state.cursor_dict())
+        except Exception as e:  # noqa: BLE001
+            log.warning("trainer: could not record the resume position (%s: %s); compaction keeps more of L1",
+                        type(e).__name__, e)
 
     def _publish(self, publisher) -> None:
         """Publish the weights as version `step` (idempotent: a version already committed stays)."""

@@ -176,4 +176,5 @@ def test_the_entrypoint_runs_the_commands_of_compose_and_of_the_helm_chart(tmp_p
     assert run("airflow", "db", "check-migrations", "--migration-wait-timeout=60") == \
         "airflow db check-migrations --migration-wait-timeout=60"
     dockerfile = (DOCKER / "Dockerfile").read_text()
-    assert 'ENTRYPOINT ["/entrypoint"]' in dockerfile and "/clean-logs" in dockerfile  # the log groomer's
+    assert 'ENTRYPOINT ["/usr/bin/tini", "--", "/entrypoint"]' in dockerfile and " tini " in dockerfile
+    assert "/clean-logs" in dockerfile  # the log groomer's
