@@ -13,11 +13,12 @@ import json
 
 def cmd_lineage(args) -> int:
     from .export import open_run
-    from .lineage import groups_of_version, read_ledger, rows_of_step
+    from .lineage import check_version, groups_of_version, read_ledger, rows_of_step
 
     run = open_run(args.run_dir)
     ledger = read_ledger(run)
     if args.version is not None:
+        check_version(ledger, args.version, run.url)
         rows = groups_of_version(ledger, args.version)
         out = {"run": run.url, "version": args.version, "groups": len(rows),
                "fresh_uses": sum(r["fresh"] for r in rows), "replay_uses": sum(r["replays"] for r in rows)}

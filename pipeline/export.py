@@ -22,6 +22,7 @@ from __future__ import annotations
 import io
 import json
 import math
+import os
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -29,7 +30,7 @@ import pyarrow.parquet as pq
 
 from .config import ConfigError
 from .rundir import RunDir, url_is_under, validate_run_url
-from .storage import put_atomic, url_to_fs
+from .storage import is_local, put_atomic, url_to_fs
 
 FORMATS = ("sft", "dpo", "parquet")
 
@@ -44,9 +45,15 @@ def open_run(url: str) -> RunDir:
 def check_output(out: str, run: RunDir, force: bool):
     """(fs, path) of a new output file: no '..', not inside the run, not over a file unless `force`."""
     validate_run_url(out, "--out")
-    if url_is_under(out, run.url):
-        raise ConfigError(f"--out: {out!r} is inside the run directory {run.url}; write datasets elsewhere")
+    if out.endswith("/"):
+        raise ConfigError(f"--out: {out!r} names a folder; give a file (.jsonl for JSON lines, else Parquet)")
     fs, path = url_to_fs(out)
+    inside = url_is_under(out, run.url)
+    if not inside and is_local(fs) and is_local(run.fs):  # through a symbolic link, too
+        real_run = os.path.realpath(run.root)
+        inside = os.path.realpath(path).startswith(real_run.rstrip("/") + "/")
+    if inside:
+        raise ConfigError(f"--out: {out!r} is inside the run directory {run.url}; write datasets elsewhere")
     if fs.exists(path):
         if not force or fs.isdir(path):
             raise ConfigError(f"--out: {out!r} exists; pass --force to replace it (a folder is never replaced)")
@@ -55,7 +62,7 @@ def check_output(out: str, run: RunDir, force: bool):
 
 def write_table(table: pa.Table, fs, path: str) -> None:
     """Publish `table` at `path` atomically: JSON lines for `.jsonl`, else zstd Parquet."""
-    if path.endswith(".jsonl"):
+    if path.lower().endswith(".jsonl"):
         data = "".join(json.dumps(r, default=str) + "\n" for r in table.to_pylist()).encode()
     else:
         buf = io.BytesIO()
@@ -89,13 +96,10 @@ def select_version(table: pa.Table, run: RunDir, version: int | None) -> pa.Tabl
     """The rows of the groups that made policy `version` (all rows when None)."""
     if version is None:
         return table
-    if version < 1:
-        raise ConfigError(f"--version {version}: policy versions made by training start at 1 (v0 is the model trained from)")
-    from .lineage import groups_of_version, read_ledger
+    from .lineage import check_version, groups_of_version, read_ledger
 
     ledger = read_ledger(run)
-    if ledger.num_rows == 0 or version > pc.max(ledger["version"]).as_py():
-        raise ConfigError(f"--version {version}: the lineage ledger of {run.url} does not reach that version")
+    check_version(ledger, version, run.url)
     groups = pa.array([g["group_id"] for g in groups_of_version(ledger, version)], pa.string())
     return table.filter(pc.is_in(table["group_id"], value_set=groups))
 
@@ -167,6 +171,8 @@ def export(run_url: str, fmt: str, out: str, *, force: bool = False, version: in
     """Write the dataset `fmt` (sft | dpo | parquet) of the run at `run_url` to `out`; returns counts."""
     if fmt not in FORMATS:
         raise ConfigError(f"--format {fmt!r}: choose one of {', '.join(FORMATS)}")
+    if min_reward is not None and fmt != "sft":
+        raise ConfigError(f"--min-reward applies to --format sft (the best completion of each group), not {fmt}")
     run = open_run(run_url)
     fs, path = check_output(out, run, force)
     table = select_version(archive_table(run), run, version)

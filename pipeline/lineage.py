@@ -160,6 +160,17 @@ def rows_of_step(ledger: pa.Table, step: int) -> pa.Table:
     return ledger.filter(pc.equal(ledger["step"], step))
 
 
+def check_version(ledger: pa.Table, version: int, where: str) -> None:
+    """A version the ledger of run `where` has data for: 1 up to its newest (v0 is the model
+    training started from, which no data made)."""
+    from .config import ConfigError
+
+    if version < 1:
+        raise ConfigError(f"--version {version}: policy versions made by training start at 1 (v0 is the model trained from)")
+    if ledger.num_rows == 0 or version > pc.max(ledger["version"]).as_py():
+        raise ConfigError(f"--version {version}: the lineage ledger of {where} does not reach that version")
+
+
 def groups_of_version(ledger: pa.Table, version: int) -> list[dict]:
     """What data made policy `version`: each group consumed by an update up to the one that
     produced it, with its fresh and replay uses and the steps that used it."""

@@ -172,6 +172,20 @@ def test_sft_and_parquet_exports_and_their_output_checks(replay_run, tmp_path):
         with pytest.raises(ConfigError, match="--version 0: policy versions made by training start at 1"):
             export(replay_run.url, fmt, str(tmp_path / f"v0.{fmt}"), version=0)
     assert not list(tmp_path.glob("v0.*"))
+    # output paths: through a link to the run, a folder, an upper-case extension; --min-reward is sft's
+    link = tmp_path / "runlink"
+    os.symlink(replay_run.root, link)
+    with pytest.raises(ConfigError, match="inside the run directory"):
+        export(str(link), "parquet", replay_run.path("inside.parquet"))
+    with pytest.raises(ConfigError, match="names a folder"):
+        export(replay_run.url, "sft", f"{tmp_path}/out/")
+    export(replay_run.url, "sft", str(tmp_path / "upper.JSONL"))
+    assert json.loads((tmp_path / "upper.JSONL").read_text().splitlines()[0])["completion"]
+    with pytest.raises(ConfigError, match="--min-reward applies to --format sft"):
+        export(replay_run.url, "dpo", str(tmp_path / "d.jsonl"), min_reward=0.5)
+    from pipeline.cli import main
+
+    assert main(["lineage", replay_run.url, "--version", "9999"]) == 2
 
 
 def test_a_reward_that_is_not_a_number_pairs_nothing_whatever_its_place():
