@@ -69,11 +69,11 @@ def make_rows(task: str, n: int, seed: int, split: str, exclude: Collection[str]
     if task not in TASKS:
         raise ValueError(f"unknown built-in task {task!r}; choose one of {', '.join(TASKS)}")
     rng = random.Random(f"{task}/{split}/{seed}")
-    seen = set(exclude) if task != "digit" else None
+    seen = set(exclude) if exclude and task != "digit" else None
     rows: list[dict] = []
     while len(rows) < n:
         prompt, answer = _draw(task, rng)
-        if seen is not None and exclude:
+        if seen is not None:
             if prompt in seen:
                 continue
             seen.add(prompt)

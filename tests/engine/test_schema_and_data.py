@@ -44,24 +44,15 @@ def test_content_hash_depends_on_prompt_and_response():
     assert content_hash([1], [2]) != content_hash([1, 2], [])
 
 
-def test_dataset_missing_column_is_named(tmp_path):
+@pytest.mark.parametrize("limit", [None, 1])  # all rows, or the first only (prepare's check)
+@pytest.mark.parametrize("column, named", [("reward_model", "reward_model.ground_truth"), ("data_source", "data_source")])
+def test_dataset_missing_column_is_named(tmp_path, limit, column, named):
     rows = make_rows("sort", 4, 0, "train")
     for r in rows:
-        del r["reward_model"]
+        del r[column]
     url = str(tmp_path / "bad.parquet")
     write_rows(rows, url)
-    with pytest.raises(ConfigError, match="lacks column 'reward_model.ground_truth'"):
-        load_prompts(url, "data.train")
-
-
-@pytest.mark.parametrize("limit", [None, 1])
-def test_dataset_missing_column_is_named_whether_all_rows_or_the_first_are_read(tmp_path, limit):
-    rows = make_rows("sort", 4, 0, "train")
-    for r in rows:
-        del r["data_source"]
-    url = str(tmp_path / "bad.parquet")
-    write_rows(rows, url)
-    with pytest.raises(ConfigError, match="lacks column 'data_source'"):
+    with pytest.raises(ConfigError, match=f"lacks column '{named}'"):
         load_prompts(url, "data.train", limit=limit)
 
 
