@@ -9,7 +9,8 @@ entries with `json.loads`, see the same keys):
      "gsizes": [8, 8, ...], "pv": [min, max], "t": 1700000000.0,
      "groups": [[key, row_start, row_count, group_hash, priority], ...]}   # l2 only
     {"op": "remove", "path": ...}                       # compaction, eviction, exhausted replays
-    {"op": "prio", "keys": [...], "p": [...]}           # replayed once more, new priority
+    {"op": "prio", "keys": [...], "p": [...], "q": [...]}  # replayed once more: new (and old) priority
+    {"op": "unreplay", "keys": [...], "p": [...], "n": [...]}  # replays taken back (a resumed trainer)
     {"op": "consumed", "consumer": "trainer", "cursor": {"seq": s, "group": g}, "groups": n}
     {"op": "quarantine", "path": ..., "reason": ...}
 
@@ -160,19 +161,46 @@ class RemoveShard:
 
 @dataclass(frozen=True)
 class RecordReplays:
-    """L2 groups replayed once more, each with its new priority."""
+    """L2 groups replayed once more, each with its new priority (and the one it replaced, which
+    `RestoreReplays` puts back; absent in older logs)."""
 
     op: ClassVar[str] = "prio"
     keys: tuple[str, ...]
     priorities: tuple[float, ...]
+    previous: tuple[float, ...] | None = None
 
     def to_json(self) -> dict:
-        return {"op": self.op, "keys": list(self.keys), "p": list(self.priorities)}
+        d = {"op": self.op, "keys": list(self.keys), "p": list(self.priorities)}
+        return d if self.previous is None else {**d, "q": list(self.previous)}
 
     @classmethod
     def from_json(cls, d: dict) -> "RecordReplays":
         keys = _field(d, "keys", _list_of(_str), "prio")
-        return cls(tuple(keys), tuple(float(p) for p in _field(d, "p", _list_of(_num), "prio")))
+        prev = _field(d, "q", _list_of(_num), "prio", None)
+        return cls(tuple(keys), tuple(float(p) for p in _field(d, "p", _list_of(_num), "prio")),
+                   None if prev is None else tuple(float(p) for p in prev))
+
+
+@dataclass(frozen=True)
+class RestoreReplays:
+    """Replays taken back: each group's count drops by `counts` and its priority is `priorities`
+    again. A resumed trainer writes it for the replays it redoes (`ReplayBuffer.restore_replays`)."""
+
+    op: ClassVar[str] = "unreplay"
+    keys: tuple[str, ...]
+    priorities: tuple[float, ...]
+    counts: tuple[int, ...]
+
+    def to_json(self) -> dict:
+        return {"op": self.op, "keys": list(self.keys), "p": list(self.priorities), "n": list(self.counts)}
+
+    @classmethod
+    def from_json(cls, d: dict) -> "RestoreReplays":
+        keys, p = _field(d, "keys", _list_of(_str), "unreplay"), _field(d, "p", _list_of(_num), "unreplay")
+        n = _field(d, "n", _list_of(is_int), "unreplay")
+        if not len(keys) == len(p) == len(n):
+            raise MalformedEntry(f"(unreplay): {len(keys)} keys, {len(p)} priorities, {len(n)} counts")
+        return cls(tuple(keys), tuple(float(x) for x in p), tuple(n))
 
 
 def resume_consumer(consumer: str) -> str:
@@ -222,8 +250,8 @@ class Quarantine:
         return cls(_field(d, "path", _str, "quarantine"), _field(d, "reason", _str, "quarantine"))
 
 
-Action = Union[AddShard, RemoveShard, RecordReplays, MarkConsumed, Quarantine]
-ACTION_TYPES = (AddShard, RemoveShard, RecordReplays, MarkConsumed, Quarantine)
+Action = Union[AddShard, RemoveShard, RecordReplays, RestoreReplays, MarkConsumed, Quarantine]
+ACTION_TYPES = (AddShard, RemoveShard, RecordReplays, RestoreReplays, MarkConsumed, Quarantine)
 ACTIONS: dict[str, type] = {c.op: c for c in ACTION_TYPES}  # op (the JSON "op") -> action type
 
 

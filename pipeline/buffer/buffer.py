@@ -30,7 +30,7 @@ from .actions import Action, MarkConsumed, Quarantine, RecordReplays, resume_con
 from .log import CommitLog
 from .notices import ShardCopies
 from .promotion import promote
-from .replay import ReplayBatch, annealed_beta, draw
+from .replay import ReplayBatch, annealed_beta, draw, replays_to_restore
 from .schema import ROLLOUT_SCHEMA
 from .shards import CorruptShard, read_shard
 from .state import TIERS, BufferState, ShardInfo
@@ -281,7 +281,30 @@ class ReplayBuffer:
                              "use e.g. the mean absolute advantage of the group")
         if not keys:
             return self.state.version
-        return self.commit([RecordReplays(tuple(keys), tuple(pr))])
+        with self._lock:  # only the trainer sets priorities: its own view has them, once it holds the groups
+            st = self.log.state
+            if not all(k in st.l2_groups for k in keys):
+                st = self.refresh()
+            prev = tuple(st.l2_groups[k].priority if k in st.l2_groups else p for k, p in zip(keys, pr))
+        return self.commit([RecordReplays(tuple(keys), tuple(pr), prev)])
+
+    def restore_replays(self, since_version: int) -> int:
+        """Take back the replays recorded after log version `since_version`, and the priorities
+        they set: a trainer resumed from a checkpoint taken at that version redoes them. Returns
+        the replays taken back; -1 when the log after that version is gone (vacuumed), in which
+        case nothing is changed."""
+        with self._lock:
+            st = self.refresh()
+            if st.replays_done == 0:  # none to take back (nor a priority one set)
+                return 0
+            entries = self.log.read_entries(since_version + 1, st.version) if st.version > since_version else []
+            if len(entries) != st.version - since_version:
+                return -1
+            action = replays_to_restore(entries, st)
+        if action is None:
+            return 0
+        self.commit([action])
+        return sum(action.counts)
 
     def eligible_replay_groups(self) -> int:
         """L2 groups that may still be replayed (fewer than max_replays_per_group replays)."""

@@ -194,7 +194,7 @@ class CommitLog:
         if not wanted:
             return []
         self._seen = time.monotonic()
-        applied = self._probe(self.state.version + 1, end)
+        applied = self.read_entries(self.state.version + 1, end)
         for entry in applied:
             self.state.apply(entry)
             if self._notices is not None:
@@ -205,7 +205,7 @@ class CommitLog:
             self._catch_up_after_retention()
         return applied
 
-    def _probe(self, start: int, end: int | None = None) -> list[LogEntry]:
+    def read_entries(self, start: int, end: int | None = None) -> list[LogEntry]:
         """Entries start, start+1, ... up to the first missing one (or `end`, the newest noticed).
         Local storage reads them one by one. Remote storage reads the first two one by one (and
         those after one of its own), then 2, 4, ... up to _REMOTE_PROBE at once: catching up takes

@@ -104,3 +104,33 @@ def draw(groups: dict[str, ReplayGroup], max_replays: int, num_groups: int, alph
     w_max = (n * probs.min()) ** -beta  # largest possible weight: normalises weights into (0, 1]
     weights = (n * probs[idx]) ** -beta / w_max
     return [keys[i] for i in idx], probs[idx], weights
+
+
+def replays_to_restore(entries, st) -> "RestoreReplays | None":
+    """What takes back the replays `entries` (the log after some version V) recorded: for each L2
+    group they touched, the net count they added and the priority it had at V (the first touch's
+    previous one; unknown in logs older than that field: the priority stays). None: nothing to do."""
+    from .actions import RecordReplays, RestoreReplays
+
+    net: dict[str, int] = {}
+    before: dict[str, float | None] = {}
+    for e in entries:
+        for a in e.actions:
+            if isinstance(a, RecordReplays):
+                prev, counts = a.previous or (None,) * len(a.keys), (1,) * len(a.keys)
+            elif isinstance(a, RestoreReplays):
+                prev, counts = (None,) * len(a.keys), tuple(-n for n in a.counts)
+            else:
+                continue
+            for k, q, n in zip(a.keys, prev, counts):
+                before.setdefault(k, q)
+                net[k] = net.get(k, 0) + n
+    keys, prios, counts = [], [], []
+    for k, n in net.items():
+        g = st.l2_groups.get(k)
+        p = g.priority if g is None or before[k] is None else before[k]
+        if g is not None and (n > 0 or p != g.priority):
+            keys.append(k)
+            prios.append(p)
+            counts.append(max(n, 0))
+    return RestoreReplays(tuple(keys), tuple(prios), tuple(counts)) if keys else None

@@ -13,7 +13,7 @@ import bisect
 import time
 from dataclasses import dataclass, field
 
-from .actions import TIERS, AddShard, LogEntry, MarkConsumed, Quarantine, RecordReplays, RemoveShard
+from .actions import TIERS, AddShard, LogEntry, MarkConsumed, Quarantine, RecordReplays, RemoveShard, RestoreReplays
 
 __all__ = ["TIERS", "BufferState", "ReplayGroup", "ShardInfo"]
 
@@ -89,6 +89,8 @@ class BufferState:
                 self._remove(a.path, entry.time)
             elif isinstance(a, RecordReplays):
                 self._replayed(a)
+            elif isinstance(a, RestoreReplays):
+                self._restored(a)
             elif isinstance(a, MarkConsumed):
                 self.consumed[a.consumer] = {**a.cursor, "groups": a.groups}
             elif isinstance(a, Quarantine):
@@ -124,6 +126,15 @@ class BufferState:
                 g.priority = float(p)
                 g.replays += 1
                 self.replays_done += 1
+
+    def _restored(self, a: RestoreReplays) -> None:
+        for k, p, n in zip(a.keys, a.priorities, a.counts):
+            g = self.l2_groups.get(k)
+            if g is not None:
+                g.priority = float(p)
+                n = min(n, g.replays)
+                g.replays -= n
+                self.replays_done -= n
 
     def _remove(self, path: str, t: float, tombstone: bool = True) -> None:
         info = self.shards.pop(path, None)

@@ -32,9 +32,11 @@ from .layout import DCP_DIR, HF_META_DIR, META, MODEL_PREFIX, ReshardError, is_w
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
 
 
-def checkpoint_meta(step: int | None, world_size: int, policy_version: int | None, kind: str | None = None) -> dict:
-    """The content of meta.json. `kind` ("periodic" | "phase") is the trainer's retention class."""
-    meta = {"step": step, "world_size": world_size, "policy_version": policy_version, "format": "dcp"}
+def checkpoint_meta(step: int | None, world_size: int, policy_version: int | None, kind: str | None = None,
+                    extra: dict | None = None) -> dict:
+    """The content of meta.json. `kind` ("periodic" | "phase") is the trainer's retention class;
+    `extra`: the caller's own entries."""
+    meta = {**(extra or {}), "step": step, "world_size": world_size, "policy_version": policy_version, "format": "dcp"}
     if kind is not None:
         meta["kind"] = kind
     return meta
@@ -153,7 +155,7 @@ def _metadata_names(hf_meta_dir: str) -> list[str]:
 
 
 def save_dcp(state_dict: dict, dst_url: str, hf_meta_dir: str, step: int, world_size: int,
-             policy_version: int | None, kind: str | None = None) -> dict:
+             policy_version: int | None, kind: str | None = None, extra: dict | None = None) -> dict:
     """Save `state_dict` ({"model": {hf name: tensor or DTensor}, other entries as the caller
     likes}) as a complete checkpoint at `dst_url`, with the metadata files of the Hugging Face
     folder `hf_meta_dir` (its weights are not copied). Returns its meta.json.
@@ -181,7 +183,7 @@ def save_dcp(state_dict: dict, dst_url: str, hf_meta_dir: str, step: int, world_
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*assuming the intent is to save in a single process.*")
             dcp_module().save(state_dict, storage_writer=dcp_writer(f"{dst_url.rstrip('/')}/{DCP_DIR}"))
-        meta = checkpoint_meta(step, world_size, policy_version, kind)
+        meta = checkpoint_meta(step, world_size, policy_version, kind, extra)
         if main:
             for name in names:
                 put_atomic(fs, f"{root}/{HF_META_DIR}/{name}", src_fs.cat_file(f"{src_root}/{name}"))

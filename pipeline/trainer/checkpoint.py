@@ -18,6 +18,7 @@ reshard tasks read) are kept.
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import tempfile
@@ -34,6 +35,7 @@ from ..weights import write_hf_folder
 from .critic import ActorCritic
 from .distributed import World
 
+log = logging.getLogger("rlhf.trainer")
 STEP_RE = re.compile(r"^step_(\d+)$")
 
 
@@ -107,8 +109,10 @@ def _state(actor: ActorCritic, opt, sched, st: TrainerState) -> tuple[dict, dict
 
 
 def save_checkpoint(run: RunDir, actor: ActorCritic, opt, sched, st: TrainerState, tokenizer, world: World,
-                    kind: str = "periodic", keep: int = 2) -> Checkpoint:
-    """Save `st.step`'s checkpoint (collective: every rank calls it). Idempotent for a complete one."""
+                    kind: str = "periodic", keep: int = 2, buffer_version: int | None = None) -> Checkpoint:
+    """Save `st.step`'s checkpoint (collective: every rank calls it). Idempotent for a complete one.
+    `buffer_version`: the buffer log's version when it was taken (rank 0's), which a resume takes
+    the later replays back to (`ReplayBuffer.restore_replays`)."""
     state, _ = _state(actor, opt, sched, st)
     policy = actor.policy
     url = run.child_url("checkpoints", f"step_{st.step}")
@@ -116,7 +120,8 @@ def save_checkpoint(run: RunDir, actor: ActorCritic, opt, sched, st: TrainerStat
         hf = os.path.join(tmp, "hf")
         write_hf_folder(hf, config=policy.config, tokenizer=tokenizer,
                         generation_config=getattr(policy, "generation_config", None))
-        meta = save_dcp(state, url, hf, step=st.step, world_size=world.size, policy_version=st.step, kind=kind)
+        meta = save_dcp(state, url, hf, step=st.step, world_size=world.size, policy_version=st.step, kind=kind,
+                        extra=None if buffer_version is None else {"buffer_version": buffer_version})
     if world.is_main:
         prune(run, keep)
     return Checkpoint(st.step, url, checkpoint_dir(run, st.step), meta)
@@ -172,3 +177,18 @@ def load_checkpoint(ck: Checkpoint, actor: ActorCritic, opt, sched) -> TrainerSt
 def _has_critic(ck: Checkpoint) -> bool:
     md = dcp_reader(f"{ck.url}/{DCP_DIR}").read_metadata()
     return any(k.startswith("critic.") for k in md.state_dict_metadata)
+
+
+def restore_replays(buffer, ck: Checkpoint | None) -> None:
+    """Take back the replays recorded after `ck` (every one without a checkpoint): the resumed
+    trainer redoes them, so each counts once and its draws see the priorities `ck` saw. Left as
+    they are for a checkpoint saved before it recorded the buffer's version."""
+    since = 0 if ck is None else ck.meta.get("buffer_version")
+    if since is None:
+        return
+    n = buffer.restore_replays(int(since))
+    if n < 0:
+        log.warning("trainer: the buffer log after version %d is gone (vacuumed): the replays recorded after "
+                    "the checkpoint stay counted, and the resumed trainer replays those groups less", since)
+    elif n:
+        log.info("trainer: %d replays recorded after the checkpoint taken back (they are redone)", n)

@@ -5,7 +5,8 @@ updates run after fresh step k are part of version k (it is checkpointed and pub
 them). Every rollout carries the version that generated it; staleness = trainer version - rollout
 version.
 
-    resume from the newest complete checkpoint (weights, optimizer, scheduler, RNG, L1 cursor)
+    resume from the newest complete checkpoint (weights, optimizer, scheduler, RNG, L1 cursor),
+    taking back the replays the buffer recorded after it
     for each fresh step:
         read groups_per_step groups from the cursor (read while the step before trained, feed.py)
         -> train_step -> rank 0: promote to L2 and record the cursor in the buffer
@@ -41,7 +42,7 @@ from ..tracking import Tracker, open_tracker, scalars
 from .algorithms import get_algorithm
 from .batch import collate
 from .borrow import BorrowedThreads
-from .checkpoint import TrainerState, latest_checkpoint, load_checkpoint, save_checkpoint
+from .checkpoint import TrainerState, latest_checkpoint, load_checkpoint, restore_replays, save_checkpoint
 from .critic import ActorCritic, ValueHead
 from .distributed import World, init_world, shard
 from .feed import ConsumedMarks, FreshFeed, GaveWay, ReplayPace, TrainerStopped, agreed, wait_for_gate
@@ -51,7 +52,7 @@ from .precision import DTYPES, Precision
 from .step import replay_config, replayable, train_step
 
 log = logging.getLogger("rlhf.trainer")
-FAULT_ENV = "RLHF_TRAINER_KILL_AFTER_STEP"  # fault injection for the resume tests: SIGKILL after step N
+FAULT_ENV = "RLHF_TRAINER_KILL_AFTER_STEP"  # fault injection for the resume tests: SIGKILL after step N + its replays
 
 
 def check_config(cfg) -> None:
@@ -129,6 +130,7 @@ class Trainer:
             log.info("trainer: resumed from %s (step %d)", ck.url, self.state.step)
         if world.is_main:  # also without a checkpoint: a trainer killed before its first one redoes every step
             rollback_metrics(run, self.state.step)
+            restore_replays(self.buffer, ck)
             self._mark_resumable()  # compaction keeps what a restart redoes
         self.metrics = run.metrics("trainer") if world.is_main else NullMetrics()
         # the ledger and the trackers resume with the checkpoint: what came after it is redone
@@ -300,7 +302,7 @@ class Trainer:
         self.lineage.flush()
         self.metrics.flush()
         ck = save_checkpoint(self.run, self.actor, self.opt, self.sched, self.state, self.tokenizer, self.world,
-                             kind=kind, keep=self.tc.keep_checkpoints)
+                             kind=kind, keep=self.tc.keep_checkpoints, buffer_version=self.buffer.state.version)
         if self.world.is_main:  # a restart now redoes nothing before it: compaction may archive up to it
             self._mark_resumable()
         return ck
@@ -339,10 +341,10 @@ class Trainer:
                 self._publish(publisher)
             while st.step < tc.steps:
                 rec = self.fresh_step()
+                self.due_replay_epochs(replay_at)
                 if kill_at and st.step == kill_at:
                     world.barrier()
                     os.kill(os.getpid(), signal.SIGKILL)
-                self.due_replay_epochs(replay_at)
                 if st.step in phase_ends:
                     ck = self._checkpoint("phase")
                     if world.is_main:

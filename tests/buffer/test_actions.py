@@ -17,7 +17,8 @@ from rollout_factory import make_groups
 
 from pipeline.buffer import ReplayBuffer
 from pipeline.buffer.actions import (ACTIONS, AddShard, LogEntry, MalformedEntry, MarkConsumed, PromotedGroup,
-                                     Quarantine, RecordReplays, RemoveShard, UnknownAction, parse_actions)
+                                     Quarantine, RecordReplays, RemoveShard, RestoreReplays, UnknownAction,
+                                     parse_actions)
 from pipeline.buffer.logfiles import LOG_DIR, entry_name, seal, unseal
 from pipeline.config import BufferConfig, ConfigError, parse_config
 
@@ -30,6 +31,8 @@ L2 = {"op": "add", "path": "l2/promote-x.parquet", "tier": "l2", "rows": 8, "byt
       "pv": [0, 0], "t": T0 + 3, "groups": [["s-g0", 0, 4, "h0", 1.0], ["s-g1", 4, 4, "h1", 1.0]]}
 CONSUMED = {"op": "consumed", "consumer": "trainer", "cursor": {"seq": 1, "group": 0}, "groups": 2}
 PRIO = {"op": "prio", "keys": ["s-g0"], "p": [2.5]}
+PRIO_WITH_PREVIOUS = {**PRIO, "q": [1.0]}
+UNREPLAY = {"op": "unreplay", "keys": ["s-g0"], "p": [1.0], "n": [1]}
 L3_OLD = {"op": "add", "path": "l3/run=r/policy=0/part-1.parquet", "tier": "l3", "rows": 8, "bytes": 20000,
           "ngroups": 2, "pv": [0, 0], "t": T0 + 5}
 CONSUMED_NO_COUNT = {"op": "consumed", "consumer": "trainer", "cursor": {"seq": 2, "group": 1}}
@@ -80,11 +83,12 @@ def test_new_commits_on_a_log_in_todays_format_write_the_same_json(tmp_path):
     raw = (tmp_path / "buffer" / LOG_DIR / entry_name(v)).read_bytes()
     doc = json.loads(raw)  # plain JSON, as bench/chaos.py reads entries
     assert set(doc) == {"sum", "format", "v", "txn", "time", "writer", "actions"}
-    assert doc["actions"] == [{"op": "prio", "keys": ["s-g1"], "p": [0.5]}]
+    assert doc["actions"] == [{"op": "prio", "keys": ["s-g1"], "p": [0.5], "q": [1.0]}]  # q: the one replaced
     assert ReplayBuffer(url).refresh().l2_groups["s-g1"].replays == 1
 
 
-@pytest.mark.parametrize("action", [L1_A, L2, CONSUMED, PRIO, L3_OLD, QUARANTINE, {"op": "remove", "path": "x"}],
+@pytest.mark.parametrize("action", [L1_A, L2, CONSUMED, PRIO, PRIO_WITH_PREVIOUS, UNREPLAY, L3_OLD, QUARANTINE,
+                                    {"op": "remove", "path": "x"}],
                          ids=lambda a: a["op"] + ("-" + a["tier"] if "tier" in a else ""))
 def test_todays_actions_read_and_write_back_unchanged(action):
     typed = ACTIONS[action["op"]].from_json(action)
@@ -121,6 +125,7 @@ def test_every_add_is_written_with_group_sizes_archive_adds_included(tmp_path):
 @pytest.mark.parametrize("action, why", [
     ({**PRIO, "p": None}, "action 0 (prio): invalid 'p'"),
     ({"op": "prio", "keys": ["k"]}, "action 0 (prio) has no 'p'"),
+    ({**UNREPLAY, "n": [1, 2]}, "action 0 (unreplay): 1 keys, 1 priorities, 2 counts"),
     ({k: v for k, v in L1_A.items() if k != "gsizes"}, "action 0 (add to l1) has no 'gsizes'"),
     ({**{k: v for k, v in L1_A.items() if k != "gsizes"}, "ngroups": 2}, "action 0 (add to l1) has no 'gsizes'"),
     ({**L3_OLD, "gsizes": [4]}, "'ngroups' 2 disagrees with the 1 'gsizes'"),
@@ -185,6 +190,10 @@ actions = st.one_of(
     adds(), st.builds(RemoveShard, names),
     st.lists(st.tuples(names, finite), max_size=4).map(
         lambda kp: RecordReplays(tuple(k for k, _ in kp), tuple(p for _, p in kp))),
+    st.lists(st.tuples(names, finite, finite), max_size=4).map(
+        lambda kp: RecordReplays(tuple(k for k, _, _ in kp), tuple(p for _, p, _ in kp), tuple(q for *_, q in kp))),
+    st.lists(st.tuples(names, finite, counts), max_size=4).map(
+        lambda kp: RestoreReplays(tuple(k for k, _, _ in kp), tuple(p for _, p, _ in kp), tuple(n for *_, n in kp))),
     st.builds(MarkConsumed, names, counts, counts, counts), st.builds(Quarantine, names, st.text(max_size=40)))
 
 

@@ -147,3 +147,41 @@ def test_promote_with_cursor_records_consumption(buffer_url):
     table, cursor = buf.read_fresh(None, 2)
     buf.promote(table, cursor=cursor)
     assert buf.state.consumed["trainer"] == {"seq": 0, "group": 2, "groups": 2}
+
+
+def _replays(buf) -> dict:
+    return {k: (g.priority, g.replays) for k, g in buf.refresh().l2_groups.items()}
+
+
+def test_restore_replays_takes_back_those_after_a_version_once_however_often_resumed(buffer_url):
+    buf = _buf(buffer_url)
+    buf.promote(make_groups("a", 3, rewards=[SPREAD] * 3))
+    start = buf.state.version
+    buf.update_priorities(["a-g0", "a-g1"], [3.0, 4.0])
+    checkpoint = buf.state.version  # a trainer's checkpoint is taken here
+    at_checkpoint = _replays(buf)
+    buf.update_priorities(["a-g0"], [5.0])  # the killed attempt's replays after it
+    buf.update_priorities(["a-g2"], [6.0])
+    assert buf.state.replays_done == 4
+    assert buf.restore_replays(checkpoint) == 2
+    assert _replays(buf) == at_checkpoint == {"a-g0": (3.0, 1), "a-g1": (4.0, 1), "a-g2": (1.0, 0)}
+    buf.update_priorities(["a-g2"], [7.0])  # the second attempt, killed too before a new checkpoint
+    other = _buf(buffer_url)  # the third attempt, in another process
+    assert other.restore_replays(checkpoint) == 1
+    assert _replays(other) == at_checkpoint and other.state.replays_done == 2
+    assert _replays(buf) == at_checkpoint  # every reader sees it
+    assert other.restore_replays(checkpoint) == 0  # nothing left to take back
+    assert other.restore_replays(start) == 2  # back to before any replay
+    assert _replays(other) == {k: (1.0, 0) for k in at_checkpoint} and other.state.replays_done == 0
+
+
+def test_restore_replays_changes_nothing_when_the_log_after_the_version_is_gone(buffer_url, tmp_path):
+    from pipeline.buffer.logfiles import LOG_DIR, entry_name
+
+    buf = _buf(str(tmp_path / "b"))
+    buf.promote(make_groups("a", 2, rewards=[SPREAD] * 2))
+    checkpoint = buf.state.version
+    buf.update_priorities(["a-g0"], [5.0])
+    (tmp_path / "b" / LOG_DIR / entry_name(checkpoint + 1)).unlink()  # as vacuum would, past retention
+    assert buf.restore_replays(checkpoint) == -1
+    assert _replays(buf)["a-g0"] == (5.0, 1)

@@ -174,3 +174,42 @@ def test_a_resumed_trainer_publishes_the_version_its_checkpoint_was_taken_for(tm
     trainer(url)
     assert store.exists(N) and store.manifest(N)["step"] == N
     assert_same(load_file(os.path.join(store.local_dir(N), "model.safetensors")), at_checkpoint, atol=0.0)
+
+
+def test_a_resumed_trainer_takes_back_and_redoes_the_replays_after_its_checkpoint(tmp_path):
+    """A replay epoch after every step, one replay per group. Killed after step N + 1 and its
+    replays, the trainer resumes from step N's checkpoint: it takes back the replay counts and
+    priorities recorded since, then redoes them. The weights equal an uninterrupted run's, and the
+    buffer counts each replay once, as the lineage ledger lists it (before, the killed attempt's
+    replays stayed counted: groups used up by them were not drawn again)."""
+    from pipeline.lineage import read_ledger
+    from pipeline.rundir import RunDir
+
+    config = {**CONFIG, "trainer": {**CONFIG["trainer"], "replay_epochs": 2 * N},
+              "buffer": {"max_replays_per_group": 1}}
+
+    def replays(url: str) -> tuple[int, int, int]:
+        """(buffer's count, the ledger's replayed groups, those of steps up to N + 1)"""
+        run = RunDir(url)
+        ledger = read_ledger(run).to_pylist()
+        counted = ReplayBuffer(run.buffer_url, run.config().buffer).refresh().replays_done
+        listed = [r for r in ledger if r["kind"] == "replay"]
+        return counted, len(listed), sum(r["step"] <= N + 1 for r in listed)
+
+    def make_gated_run(path) -> str:
+        url = make_run(path, config)
+        for e in range(2 * N):  # the orchestrator's gates, open from the start
+            RunDir(url).set_marker(RunDir.replay_gate_marker(e), {"eligible": GROUPS})
+        return url
+
+    ref = make_gated_run(tmp_path / "uninterrupted")
+    trainer(ref)
+    url = make_gated_run(tmp_path / "run")
+    assert trainer(url, kill_after=N + 1) == -signal.SIGKILL
+    counted, _, _ = replays(url)
+    ref_counted, ref_listed, ref_by_kill = replays(ref)
+    up_to_checkpoint = sum(r["kind"] == "replay" and r["step"] <= N for r in read_ledger(RunDir(ref)).to_pylist())
+    assert counted == ref_by_kill > up_to_checkpoint  # the killed attempt replayed after its checkpoint
+    trainer(url)
+    assert replays(url) == (ref_counted, ref_listed, ref_by_kill) and ref_counted == ref_listed
+    assert_same(final_weights(url), final_weights(ref), atol=1e-6)
