@@ -1,7 +1,8 @@
 """Rule rewards of the common verl math data sources, with verl's signature.
 
 - `gsm8k_score` (`openai/gsm8k`): the final number of the answer (after the last `####`, else the
-  last number in the text) equals the ground truth's, compared as numbers (`1,000` = `1000.0`).
+  last number in the text) equals the ground truth's, compared as numbers (`1,000` = `1000.0`; a
+  comma counts only between groups of three digits).
 - `boxed_math_score` (`lighteval/MATH`, `HuggingFaceH4/MATH-500`, ...): the content of the last
   `\\boxed{...}` (braces balanced) equals the ground truth after a light LaTeX normalisation
   (spaces, `\\left`/`\\right`, `\\!`, `\\dfrac`, a trailing `.`), or both are the same number.
@@ -17,18 +18,26 @@ from typing import Any
 
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?|-?\.\d+")
 _FRAC = re.compile(r"^(-?)\\frac\{(-?\d+)\}\{(-?\d+)\}$")
+# a plain decimal (commas only as thousands separators) or a ratio of integers: no exponent, so
+# that no answer a model writes (`1e999999999`) costs the scorer more than reading it
+_DECIMAL = re.compile(r"^[-+]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?$|^[-+]?\.\d+$")
+_RATIO = re.compile(r"^([-+]?\d+)/([-+]?\d+)$")
+MAX_NUMBER_CHARS = 200
 
 
 def parse_number(text: str) -> Fraction | None:
-    """`72`, `-3.5`, `1,000`, `$12.`, `3/4`, `\\frac{3}{4}` -> an exact number; None otherwise."""
-    t = text.strip().replace("$", "").replace(",", "").rstrip(".").strip()
+    """`72`, `-3.5`, `1,000`, `$12.`, `3/4`, `\\frac{3}{4}` -> an exact number; None otherwise
+    (`1,2` is not 12: a comma counts only between groups of three digits)."""
+    t = text.strip().replace("$", "").strip().rstrip(".,").strip()
+    if len(t) > MAX_NUMBER_CHARS:
+        return None
     m = _FRAC.match(t)
     if m:
         t = f"{m.group(1)}{m.group(2)}/{m.group(3)}"
-    try:
-        return Fraction(t)
-    except (ValueError, ZeroDivisionError):
-        return None
+    m = _RATIO.match(t)
+    if m:
+        return Fraction(int(m.group(1)), int(m.group(2))) if int(m.group(2)) else None
+    return Fraction(t.replace(",", "")) if _DECIMAL.match(t) else None
 
 
 def final_number(text: str) -> str | None:

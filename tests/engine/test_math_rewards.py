@@ -58,3 +58,30 @@ def test_boxed_math_match(solution, truth, expected):
 def test_normalize_math():
     assert normalize_math(" \\left[ 1,\\! 2 \\right] . ") == "[1,2]"
     assert normalize_math("\\tfrac{3}{4}") == "\\frac{3}{4}"
+
+
+@pytest.mark.parametrize("solution, truth", [
+    ("\\boxed{23}", "2, 3"),  # a list is not the number its digits make
+    ("\\boxed{1,2}", "12"),
+    ("\\boxed{357}", "3, 5, 7"),
+    ("#### 1,2", "12"),
+])
+def test_a_comma_counts_only_between_groups_of_three_digits(solution, truth):
+    score = boxed_math_score if "boxed" in solution else gsm8k_score
+    assert score("x", solution, truth) == 0.0
+
+
+@pytest.mark.parametrize("solution, truth", [("#### 1,234,567.", "1234567"), ("so 42, done", "42"),
+                                             ("\\boxed{2, 3}", "2,3"), ("\\boxed{-3/4}", "-0.75")])
+def test_numbers_still_match_in_their_usual_forms(solution, truth):
+    score = boxed_math_score if "boxed" in solution else gsm8k_score
+    assert score("x", solution, truth) == 1.0
+
+
+def test_an_answer_with_an_exponent_is_not_a_number():
+    """Fraction("1e999999999") builds 10**999999999: one such answer stopped a run (timeout)."""
+    from pipeline.math_rewards import parse_number
+
+    assert parse_number("1e5") is None and parse_number("2E-3") is None
+    assert boxed_math_score("x", "\\boxed{1e999999999}", "1") == 0.0
+    assert parse_number("9" * 10_000) is None and parse_number("3/0") is None
