@@ -20,6 +20,7 @@ import ast
 import importlib.util
 import inspect
 import math
+import numbers
 import os
 import sys
 from dataclasses import dataclass, field
@@ -68,13 +69,37 @@ def to_score(out: Any) -> Score:
     if isinstance(out, dict):
         if "score" not in out:
             raise ValueError(f"reward function returned a dict without 'score': {sorted(out)}")
-        extra = {k: float(v) for k, v in out.items() if k != "score" and isinstance(v, (int, float, bool))}
-        value = float(out["score"])
+        extra = _extras(out)
+        value = _number(out["score"])
     else:
-        extra, value = {}, float(out)
+        extra, value = {}, _number(out)
     if not math.isfinite(value):
         raise ValueError(f"reward function returned a non-finite score {value!r}")
     return Score(value, extra)
+
+
+def _is_number(v: Any) -> bool:
+    """A real number: Python's, NumPy's (np.float32, np.int64, np.bool_ ...) or a one-element
+    tensor; not a string, which float() would parse."""
+    return isinstance(v, numbers.Real) or (not isinstance(v, (str, bytes)) and hasattr(type(v), "__float__"))
+
+
+def _number(v: Any) -> float:
+    if not _is_number(v):
+        raise ValueError(f"reward function returned {type(v).__name__} {str(v)[:40]!r}, not a number")
+    return float(v)
+
+
+def _extras(out: dict) -> dict[str, float]:
+    """The dict's other finite numbers (metrics `reward/<key>`); anything else is left out."""
+    extra = {}
+    for k, v in out.items():
+        try:
+            if k != "score" and _is_number(v) and math.isfinite(x := float(v)):
+                extra[k] = x
+        except (TypeError, ValueError, RuntimeError):  # an array of several values, say
+            pass
+    return extra
 
 
 @dataclass(frozen=True)
@@ -173,9 +198,22 @@ def _binding(tree: ast.Module, name: str) -> ast.FunctionDef | bool:
             targets = node.targets if isinstance(node, ast.Assign) else [node.target]
             if any(isinstance(t, ast.Name) and t.id == name for tg in targets for t in ast.walk(tg)):
                 found = True
-        elif not isinstance(node, (ast.Expr, ast.Pass)):
-            found = found or True
+        elif not isinstance(node, (ast.Expr, ast.Pass)) and _may_bind(node, name):
+            found = True  # e.g. a `try` or `if` that defines it again
     return found
+
+
+def _may_bind(node: ast.AST, name: str) -> bool:
+    """Whether anything inside the statement `node` binds `name`."""
+    for n in ast.walk(node):
+        if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and n.name == name:
+            return True
+        if isinstance(n, ast.Name) and n.id == name and isinstance(n.ctx, ast.Store):
+            return True
+        if isinstance(n, (ast.Import, ast.ImportFrom)) and any(
+                a.name == "*" or (a.asname or a.name.split(".")[0]) == name for a in n.names):
+            return True
+    return False
 
 
 def _user_file(spec: str) -> tuple[str, str]:

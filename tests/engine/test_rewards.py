@@ -152,6 +152,10 @@ def test_a_reward_file_read_without_running_it_names_what_is_wrong(tmp_path, bod
     "import functools\n@functools.lru_cache\ndef compute_score(*a):\n    return 0.0\n",
     "try:\n    from fast import compute_score\nexcept ImportError:\n    pass\n",
     "def compute_score(**kwargs):\n    return 0.0\n",
+    # a fallback with another signature, then the real one inside a `try` (a later def wins)
+    "def compute_score(solution_str, ground_truth):\n    return 0.0\ntry:\n    import json\n"
+    "    def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n        return 0.0\n"
+    "except ImportError:\n    pass\n",
 ])
 def test_a_name_bound_otherwise_is_left_to_the_sampler(tmp_path, body):
     check_reward_spec(_user_fn(tmp_path, body))
@@ -160,3 +164,22 @@ def test_a_name_bound_otherwise_is_left_to_the_sampler(tmp_path, body):
 def test_a_missing_reward_file_is_named(tmp_path):
     with pytest.raises(ConfigError, match="not found"):
         check_reward_spec(f"{tmp_path}/nope.py:compute_score")
+
+
+def test_a_statement_that_binds_nothing_keeps_the_signature_check(tmp_path):
+    body = "def compute_score(solution_str):\n    return 0.0\nif __name__ == '__main__':\n    print(1)\n"
+    with pytest.raises(ConfigError, match="it must accept the keywords"):
+        check_reward_spec(_user_fn(tmp_path, body))
+
+
+def test_a_reward_is_a_real_number_not_a_string_and_extras_keep_finite_numbers():
+    import numpy as np
+
+    from pipeline.rewards import to_score
+
+    got = to_score({"score": np.float32(0.5), "n": np.int64(3), "ok": np.bool_(True), "nan": float("nan"),
+                    "text": "x", "many": np.ones(3)})
+    assert (got.reward, got.extra) == (0.5, {"n": 3.0, "ok": 1.0})
+    for bad in ("0.75", None, [1.0]):
+        with pytest.raises(ValueError, match="not a number"):
+            to_score(bad)
