@@ -133,6 +133,9 @@ def filter_overlong(prompts: list[PromptRow], tokenizer, max_tokens: int, policy
         chunk = prompts[start:start + 1024]
         ids = tokenizer([render_prompt(tokenizer, p.messages) for p in chunk], add_special_tokens=False)["input_ids"]
         for p, t in zip(chunk, ids):
+            if not t:  # the sampler would continue from nothing, and the trainer has no prompt token to score from
+                raise ConfigError(f"{field}: prompt {p.prompt_id} (data_source {p.data_source!r}) renders to no tokens "
+                                  "with the model's tokenizer; give it text, or check the tokenizer files")
             if len(t) <= max_tokens:
                 kept.append(p)
             elif policy == "fail":

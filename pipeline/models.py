@@ -27,18 +27,21 @@ def load_tokenizer(path: str, *, trust_remote_code: bool = False):
 
 def eos_token_ids(path: str, tokenizer) -> list[int]:
     """Every id that ends a completion: the tokenizer's EOS and those of generation_config.json
-    (Llama 3 and Qwen2.5-Instruct list several, e.g. <|eot_id|> beside <|end_of_text|>)."""
+    (Llama 3 and Qwen2.5-Instruct list several, e.g. <|eot_id|> beside <|end_of_text|>), or of
+    config.json for a folder without one (transformers then takes its generation settings there)."""
     import json
 
     ids = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
-    gen = Path(localize(path)) / "generation_config.json"
-    if gen.is_file():
-        listed = json.loads(gen.read_text()).get("eos_token_id")
+    folder = Path(localize(path))
+    gen = folder / "generation_config.json"
+    source = gen if gen.is_file() else folder / "config.json"
+    if source.is_file():
+        listed = json.loads(source.read_text()).get("eos_token_id")
         for i in listed if isinstance(listed, list) else [listed]:
-            if isinstance(i, int) and i not in ids:
+            if isinstance(i, int) and not isinstance(i, bool) and i not in ids:
                 ids.append(i)
     if not ids:
-        raise ValueError(f"{path}: neither the tokenizer nor generation_config.json names an EOS token")
+        raise ValueError(f"{path}: neither the tokenizer nor generation_config.json (or config.json) names an EOS token")
     return ids
 
 

@@ -64,7 +64,7 @@ def validate_inputs(cfg: RunConfig) -> dict:
     from .scoring import check_sources
     from .locations import reaching
     from .rewards import check_reward_spec
-    from .storage import url_to_fs
+    from .storage import list_names, url_to_fs
     from .tracking import require
 
     check_reward_spec(cfg.reward.fn, cfg.reward.batched)  # read, not imported: see its docstring
@@ -82,10 +82,21 @@ def validate_inputs(cfg: RunConfig) -> dict:
         if not fs.exists(path.rstrip("/") + "/config.json"):
             raise ConfigError(f"model.path: {src['model']!r} is not a Hugging Face model folder (no config.json)")
         model_config = json.loads(fs.cat_file(path.rstrip("/") + "/config.json"))
+        check_model_files(src["model"], list_names(fs, path.rstrip("/")))
     if ships_required_code(model_config) and not cfg.model.trust_remote_code:
         raise ConfigError(f"model.path: {src['model']!r} is a {model_config.get('model_type')!r} model defined by code "
                           "in its folder (auto_map); set model.trust_remote_code: true if you trust that code")
     return src
+
+
+def check_model_files(url: str, names: list[str]) -> None:
+    """A model folder holds its weights as safetensors, and a tokenizer."""
+    if not {"model.safetensors", "model.safetensors.index.json"} & set(names):
+        raise ConfigError(f"model.path: {url!r} has no model.safetensors (nor model.safetensors.index.json); save "
+                          "the model with save_pretrained(..., safe_serialization=True) to convert .bin weights")
+    if not any(n.startswith(("tokenizer", "vocab")) or n.endswith((".tiktoken", "spiece.model")) for n in names):
+        raise ConfigError(f"model.path: {url!r} has no tokenizer files (tokenizer.json, tokenizer_config.json, "
+                          "vocab...); save the tokenizer into the model folder (tokenizer.save_pretrained)")
 
 
 def prepare(cfg: RunConfig, run_url: str | None = None, runs_root: str = DEFAULT_RUNS_ROOT) -> RunDir:

@@ -91,6 +91,31 @@ def test_a_held_out_set_the_rule_reward_cannot_score_is_refused_at_prepare(tmp_p
             validate_inputs(cfg)
 
 
+@pytest.mark.parametrize("remove, message", [
+    (("model.safetensors",), "has no model.safetensors"),  # .bin weights only: the reshard path reads safetensors
+    (("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt"),
+     "has no tokenizer files"),  # transformers builds an empty tokenizer, and the sampler failed on its first batch
+])
+def test_a_model_folder_without_safetensors_or_a_tokenizer_is_refused_at_prepare(tmp_path, remove, message):
+    import shutil
+
+    from pipeline.config import parse_config
+    from pipeline.orchestration import resolve_sources, validate_inputs
+
+    base = {"model": {"path": "builtin:sort"}, "data": {"train": "builtin:sort", "eval": "builtin:sort"}}
+    folder = shutil.copytree(resolve_sources(parse_config(base))["model"], tmp_path / "model")
+    for name in remove:
+        (folder / name).unlink(missing_ok=True)
+    (folder / "pytorch_model.bin").write_bytes(b"")
+    with pytest.raises(ConfigError, match=f"model.path: '{folder}' {message}"):
+        validate_inputs(parse_config({**base, "model": {"path": str(folder)}}))
+
+
+def test_a_prompt_that_renders_to_no_tokens_is_refused():
+    with pytest.raises(ConfigError, match=r"data.train: prompt p1 \(data_source 's'\) renders to no tokens"):
+        filter_overlong(_prompts("abc", ""), _CharTokenizer(), 4)
+
+
 def test_dataset_rows_load_with_ids(tmp_path):
     url = str(tmp_path / "ok.parquet")
     write_rows(make_rows("digit", 5, 0, "train"), url)

@@ -26,3 +26,15 @@ def test_generation_config_eos_ids_stop_generation_like_the_tokenizers(digit_exa
     assert eos_token_ids(str(model), tok) == [tok.eos_token_id, free[k]]
     out = HFBackend(str(model)).generate(prompt, 1, GenParams(max_new_tokens=8, greedy=True))[0][0]
     assert out.token_ids == free[:k + 1] and out.finish_reason == "stop"
+
+
+def test_without_generation_config_the_eos_ids_of_config_json_count(digit_example, tmp_path):
+    """transformers takes a folder's generation settings from config.json when it has no
+    generation_config.json (Llama 3 folders saved that way list <|eot_id|> there)."""
+    model = shutil.copytree(os.path.join(digit_example, "model"), tmp_path / "model")
+    (model / "generation_config.json").unlink(missing_ok=True)
+    tok = load_tokenizer(str(model))
+    other = (tok.eos_token_id + 1) % len(tok)
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "eos_token_id": [tok.eos_token_id, other]}))
+    assert eos_token_ids(str(model), tok) == [tok.eos_token_id, other]
