@@ -48,11 +48,16 @@ def _live(objects: list[tuple[str, int]]) -> list[tuple[str, int]]:
 
 
 def _parse(raw: bytes, out: list[dict]) -> None:
-    for line in raw.decode().splitlines():
+    """The records of `raw`. A line that is not a record is skipped: the last one may be being
+    appended right now (local disk), and one cut by a machine crash is followed by what the
+    restarted writer appended."""
+    for line in raw.decode(errors="replace").split("\n"):
         try:
-            out.append(json.loads(line))
+            rec = json.loads(line) if line.strip() else None
         except json.JSONDecodeError:
-            break  # a line being appended right now (local disk)
+            continue
+        if isinstance(rec, dict):
+            out.append(rec)
 
 
 def stream_names(run) -> list[str]:
@@ -125,6 +130,17 @@ class NullMetrics:
         pass
 
 
+def _end_cut_line(path: str) -> None:
+    """A writer killed mid-line (a machine crash) left the file's last line without its newline:
+    end it, so that the next record starts a line of its own."""
+    try:
+        with open(path, "rb+") as f:
+            if f.seek(0, 2) and (f.seek(-1, 2), f.read(1))[1] != b"\n":
+                f.write(b"\n")
+    except FileNotFoundError:
+        pass
+
+
 class MetricsLog:
     """The writer of one stream (one process per stream). Local disk: appended and flushed per
     record. Object stores: a new part every `flush_every` records or `flush_s` seconds, whichever
@@ -143,6 +159,7 @@ class MetricsLog:
         self._flushed_at = time.monotonic()
         if not self._parts:
             self.fs.makedirs(run.path("metrics"), exist_ok=True)
+            _end_cut_line(self.file)
 
     def log(self, record: dict) -> None:
         line = json.dumps({"time": time.time(), **record})

@@ -120,3 +120,18 @@ def test_a_reader_that_reads_again_fetches_only_the_objects_that_are_new(monkeyp
         assert fetched == (["trainer.jsonl"] if step == 1 else []) + [fetched[-1]], fetched
     log.replace([{"step": 1}])  # a resumed trainer drops the steps it redoes
     assert [r["step"] for r in reader.read()] == [1]
+
+
+def test_a_line_cut_by_a_crash_hides_nothing_the_restarted_writer_appends(tmp_path):
+    run = RunDir(str(tmp_path / "run"))
+    first = MetricsLog(run, "sampler-0")
+    first.log({"step": 1})
+    with open(first.file, "a") as f:
+        f.write('{"step": 2, "rew')  # the machine went down in the middle of this record
+    again = MetricsLog(run, "sampler-0")  # the restarted sampler
+    again.log({"step": 3})
+    again.log({"step": 4})
+    assert [r["step"] for r in run.read_metrics("sampler-0")] == [1, 3, 4]
+    with open(first.file, "a") as f:
+        f.write('{"step": 5, "rew')  # being appended as it is read
+    assert [r["step"] for r in run.read_metrics("sampler-0")] == [1, 3, 4]
