@@ -5,8 +5,9 @@ same namespaced keys (`reward/mean`, `actor/kl`, `staleness/mean`, ...) at the s
 curves read the same everywhere. The trainer always holds a `Tracker`: the do-nothing base when
 `tracking.backends` is empty, so the loop never asks whether logging is on.
 
-One tracker run per training run, found again by the run id: the trainer opens it (and reopens it
-after a restart: MLflow by the `rlhf.run_id` tag, W&B by an id derived from the run id,
+One tracker run per training run, found again by its key (`backends.run_key`: the run directory's
+URL and first preparation): the trainer opens it (and reopens it
+after a restart: MLflow by the `rlhf.run_key` tag, W&B by an id derived from the run id and that key,
 TensorBoard by its folder, purging the steps the resumed trainer redoes), and `finalize` reopens it
 to log the held-out evaluations at the steps of the versions it scored (`eval/score` at step K for
 policy version K). Tracker libraries are imported only when a backend is chosen; a missing one is

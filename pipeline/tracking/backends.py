@@ -56,30 +56,49 @@ def _mlflow_uri(cfg, folder: str) -> str:
     return uri
 
 
+def _artifact_root(uri: str) -> str | None:
+    """Where a new experiment keeps its artifacts: beside the database of a `sqlite:` URI (MLflow
+    would take ./mlruns in the working directory of whichever process creates it); None (the
+    store's or the server's default) otherwise."""
+    if not uri.startswith("sqlite:///"):
+        return None
+    db = uri[len("sqlite:///"):].split("?", 1)[0]
+    return "file://" + os.path.join(os.path.dirname(os.path.abspath(db)), "mlartifacts")
+
+
+def run_key(run) -> str:
+    """This run directory's own tracker run: its URL and when it was first prepared. The same
+    run name under another storage URL, or a run deleted and made again, is another run."""
+    created = (run.read_json("prepare.json") or {}).get("created")
+    return hashlib.blake2b(f"{run.url}\n{created}".encode(), digest_size=8).hexdigest()
+
+
 class MlflowTracker(Tracker):
-    """An MLflow run in experiment `tracking.project`, found again by its `rlhf.run_id` tag."""
+    """An MLflow run in experiment `tracking.project`, found again by its `rlhf.run_key` tag."""
 
     name = "mlflow"
 
     def __init__(self, run, cfg, folder: str, resumed_step: int | None):
         from mlflow.tracking import MlflowClient
 
-        self.client = client = MlflowClient(tracking_uri=_mlflow_uri(cfg, folder))
+        uri = _mlflow_uri(cfg, folder)
+        self.client = client = MlflowClient(tracking_uri=uri)
         exp = client.get_experiment_by_name(cfg.tracking.project)
         if exp is None:
             try:
-                exp_id = client.create_experiment(cfg.tracking.project)
+                exp_id = client.create_experiment(cfg.tracking.project, artifact_location=_artifact_root(uri))
             except Exception:  # created meanwhile by another run
                 exp_id = client.get_experiment_by_name(cfg.tracking.project).experiment_id
         else:
             exp_id = exp.experiment_id
-        found = client.search_runs([exp_id], filter_string=f"tags.`rlhf.run_id` = '{run.run_id}'", max_results=1)
+        key = run_key(run)
+        found = client.search_runs([exp_id], filter_string=f"tags.`rlhf.run_key` = '{key}'", max_results=1)
         if found:
             self.run_id = found[0].info.run_id
             client.update_run(self.run_id, status="RUNNING")
             return
-        self.run_id = client.create_run(exp_id, run_name=run_name(run, cfg),
-                                        tags={"rlhf.run_id": run.run_id, "rlhf.run_url": run.url}).info.run_id
+        self.run_id = client.create_run(exp_id, run_name=run_name(run, cfg), tags={
+            "rlhf.run_id": run.run_id, "rlhf.run_url": run.url, "rlhf.run_key": key}).info.run_id
         self._attach_config(cfg)
 
     def _attach_config(self, cfg) -> None:
@@ -108,7 +127,7 @@ def wandb_id(run_id: str) -> str:
 
 
 class WandbTracker(Tracker):
-    """A W&B run (id from the run id, resumed on restart) in <tracking dir>/wandb; offline unless
+    """A W&B run (id from the run id and `run_key`, resumed on restart) in <tracking dir>/wandb; offline unless
     WANDB_API_KEY is set (WANDB_MODE, when set, decides). Every key is charted against
     `trainer/step`, so evaluations logged after training land at the steps of their versions."""
 
@@ -118,7 +137,8 @@ class WandbTracker(Tracker):
         import wandb
 
         mode = os.environ.get("WANDB_MODE") or ("online" if os.environ.get("WANDB_API_KEY") else "offline")
-        self.run = wandb.init(project=cfg.tracking.project, name=run_name(run, cfg), id=wandb_id(run.run_id),
+        self.run = wandb.init(project=cfg.tracking.project, name=run_name(run, cfg),
+                              id=wandb_id(f"{run.run_id}-{run_key(run)}"),
                               dir=folder, config=cfg.model_dump(mode="json"), resume="allow", mode=mode,
                               settings=wandb.Settings(silent=True, console="off"))
         self.run.define_metric("trainer/step")

@@ -88,7 +88,7 @@ def test_wandb_offline_runs_hold_config_curves_and_evaluations(tracked_run):
     trainer_file, eval_file = files
     for f in files:
         run_id, name, project, config = run_record(f)
-        assert (run_id, name, project) == ("tracked", RUN_NAME, "rlhf")
+        assert (run_id.split("-")[0], name, project) == ("tracked", RUN_NAME, "rlhf")
     assert run_record(trainer_file)[3]["trainer"]["steps"] == STEPS
     rows = [h for h in history(trainer_file) if "reward/mean" in h]
     assert [(h["trainer/step"], h["reward/mean"]) for h in rows] == \
@@ -177,3 +177,29 @@ def test_a_tracking_server_that_is_down_costs_seconds_and_a_warning_not_the_run(
     assert [b.name for b in tracker.backends] == ["tensorboard"] and "mlflow could not be opened" in caplog.text
     tracker.log({"reward/mean": 1.0}, 1)
     tracker.close()
+
+
+def test_runs_that_share_a_run_id_get_their_own_mlflow_runs_and_artifacts_stay_beside_the_database(
+        tmp_path, monkeypatch):
+    """The same run id under two storage URLs (or a run deleted and made again) was logged into
+    one MLflow run; with a sqlite URI, config.yaml went to ./mlruns of the working directory."""
+    from mlflow.tracking import MlflowClient
+
+    from pipeline.tracking import open_tracker
+
+    monkeypatch.chdir(tmp_path)
+    uri = f"sqlite:///{tmp_path}/db/mlflow.db"
+    (tmp_path / "db").mkdir()
+    ids = []
+    for root in ("team-a", "team-b", "team-a"):  # the third: team-a's run, reopened
+        run = RunDir(f"file://{tmp_path}/{root}/runs/exp1")
+        run.write_json("prepare.json", {"created": {"team-a": 1.0, "team-b": 2.0}[root]})
+        cfg = parse_config({"run_id": "exp1", "tracking": {"backends": ["mlflow"], "mlflow_uri": uri,
+                                                          "dir": f"{tmp_path}/{root}/tracking"}})
+        tracker = open_tracker(run, cfg, resumed_step=0)
+        ids.append(tracker.backends[0].run_id)
+        tracker.close()
+    assert ids[0] != ids[1] and ids[2] == ids[0]
+    artifacts = MlflowClient(uri).get_run(ids[0]).info.artifact_uri
+    assert artifacts.startswith(f"file://{tmp_path}/db/mlartifacts/")
+    assert not (tmp_path / "mlruns").exists()
