@@ -9,16 +9,18 @@ its prompt, ground truth and extra info from the run's staged prompts.
 
 The output has the archive's columns, with `reward` and `reward_extra` from the new reward,
 `reward_original` holding the old one, and `token_rewards` emptied (they belonged to the old reward).
+Rows stream through, BATCH at a time: read, scored, written (memory does not grow with the archive).
 """
 
 from __future__ import annotations
 
 import json
+from typing import Iterable, Iterator
 
 import pyarrow as pa
 
 from .config import ConfigError, RewardConfig, parse_config
-from .export import archive_table, check_output, open_run, prompts_by_id, write_table
+from .export import archive_batches, archive_dataset, check_output, open_run, prompts_by_id, write_batches
 
 BATCH = 256
 
@@ -37,41 +39,57 @@ def reward_config(base: RewardConfig, spec: str, overrides: list[str] | None = N
 def rescore(run_url: str, spec: str, out: str, *, overrides: list[str] | None = None, force: bool = False) -> dict:
     """Score every archived rollout of the run with the reward `spec`; write the rows to `out`."""
     from .rewards import load_reward_fn
-    from .scoring import RewardSample, RewardScorer
+    from .scoring import RewardScorer
 
     run = open_run(run_url)
     fs, path = check_output(out, run, force)
     cfg = reward_config(run.config().reward, spec, overrides)
     if cfg.kind == "rule":
         load_reward_fn(cfg.fn)  # a bad spec fails before the archive is read
-    table = archive_table(run)
+    dataset = archive_dataset(run)
     prompts = prompts_by_id(run)
-    ids = table["prompt_id"].to_pylist()
-    missing = sorted({p for p in ids if p not in prompts})
-    if missing:
-        raise ConfigError(f"{run.url}: {len(missing)} archived prompt ids (e.g. {missing[0]}) are not in the run's "
-                          "data/train.parquet; their ground truth is unknown")
-    texts = table["response_text"].to_pylist()
-    rewards: list[float] = []
-    extras: list[str | None] = []
+    _check_prompts(dataset, prompts, run.url)
+    sums = {"rows": 0, "original": 0.0, "new": 0.0}
     with RewardScorer(cfg) as scorer:
-        for start in range(0, len(ids), BATCH):
-            samples = []
-            for pid, text in zip(ids[start:start + BATCH], texts[start:start + BATCH]):
-                p = prompts[pid]
-                samples.append(RewardSample(pid, p.data_source, p.messages, text, p.ground_truth, p.extra_info))
-            for s in scorer.score_batch(samples).scores:
-                rewards.append(s.reward)
-                extras.append(json.dumps(s.extra) if s.extra else None)
-    result = _replace_rewards(table, rewards, extras)
-    write_table(result, fs, path)
-    old = table["reward"].to_pylist()
-    return {"out": fs.unstrip_protocol(path), "rows": result.num_rows, "reward": cfg.fn if cfg.kind == "rule" else
-            f"model:{cfg.model}", "mean_reward_original": sum(old) / len(old), "mean_reward": sum(rewards) / len(rewards)}
+        rows = write_batches(_rescored(archive_batches(dataset, batch_size=BATCH), scorer, prompts, sums), fs, path)
+    return {"out": fs.unstrip_protocol(path), "rows": rows, "reward": cfg.fn if cfg.kind == "rule" else
+            f"model:{cfg.model}", "mean_reward_original": sums["original"] / sums["rows"],
+            "mean_reward": sums["new"] / sums["rows"]}
 
 
-def _replace_rewards(table: pa.Table, rewards: list[float], extras: list[str | None]) -> pa.Table:
-    out = table.append_column("reward_original", table["reward"])
+def _check_prompts(dataset, prompts: dict, where: str) -> None:
+    """Every archived prompt id is a staged prompt (only the `prompt_id` column is read)."""
+    missing: set[str] = set()
+    for batch in archive_batches(dataset, ["prompt_id"]):
+        missing.update(p for p in batch.column("prompt_id").to_pylist() if p not in prompts)
+    if missing:
+        first = min(missing)
+        raise ConfigError(f"{where}: {len(missing)} archived prompt ids (e.g. {first}) are not in the run's "
+                          "data/train.parquet; their ground truth is unknown")
+
+
+def _rescored(batches: Iterable[pa.RecordBatch], scorer, prompts: dict, sums: dict) -> Iterator[pa.RecordBatch]:
+    """Each batch scored as one reward batch, with its rewards replaced; `sums` adds up the rows
+    and both rewards."""
+    from .scoring import RewardSample
+
+    for batch in batches:
+        samples = []
+        for pid, text in zip(batch.column("prompt_id").to_pylist(), batch.column("response_text").to_pylist()):
+            p = prompts[pid]
+            samples.append(RewardSample(pid, p.data_source, p.messages, text, p.ground_truth, p.extra_info))
+        rewards, extras = [], []
+        for s in scorer.score_batch(samples).scores:
+            rewards.append(s.reward)
+            extras.append(json.dumps(s.extra) if s.extra else None)
+        sums["rows"] += batch.num_rows
+        sums["original"] = sum(batch.column("reward").to_pylist(), sums["original"])
+        sums["new"] = sum(rewards, sums["new"])
+        yield _replace_rewards(batch, rewards, extras)
+
+
+def _replace_rewards(table: pa.Table | pa.RecordBatch, rewards: list[float], extras: list[str | None]):
+    out = table.append_column("reward_original", table.column("reward"))
     for name, values, kind in (("reward", rewards, pa.float32()), ("reward_extra", extras, pa.string()),
                                ("token_rewards", [None] * table.num_rows, pa.list_(pa.float32()))):
         out = out.set_column(out.schema.get_field_index(name), name, pa.array(values, kind))
