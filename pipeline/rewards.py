@@ -216,8 +216,18 @@ def _may_bind(node: ast.AST, name: str) -> bool:
     return False
 
 
+REWARD_ROOTS_ENV = "RLHF_REWARD_ROOTS"
+"""Comma-separated folders a deployment allows reward files in (unset: anywhere). Set it where
+people who may not run code on the workers start runs (the Airflow form): a reward file runs there."""
+
+
 def _user_file(spec: str) -> tuple[str, str]:
     path, name = spec.rsplit(":", 1)
+    roots = [r.strip() for r in os.environ.get(REWARD_ROOTS_ENV, "").split(",") if r.strip()]
+    real = os.path.realpath(path)
+    if roots and not any(real.startswith(os.path.realpath(r).rstrip("/") + "/") for r in roots):
+        raise ConfigError(f"reward.fn: {path!r} is outside the folders this deployment allows reward files in "
+                          f"(${REWARD_ROOTS_ENV}: {', '.join(roots)})")
     if not os.path.isfile(path):
         raise ConfigError(f"reward.fn: file {path!r} not found; give 'path/to/file.py:function'")
     return path, name

@@ -183,3 +183,21 @@ def test_a_reward_is_a_real_number_not_a_string_and_extras_keep_finite_numbers()
     for bad in ("0.75", None, [1.0]):
         with pytest.raises(ValueError, match="not a number"):
             to_score(bad)
+
+
+def test_a_deployment_can_allow_reward_files_only_in_its_folders(tmp_path, monkeypatch):
+    allowed, other = tmp_path / "rewards", tmp_path / "elsewhere"
+    allowed.mkdir()
+    other.mkdir()
+    body = "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n    return 0.0\n"
+    (allowed / "ok.py").write_text(body)
+    (other / "no.py").write_text(body)
+    (allowed / "link.py").symlink_to(other / "no.py")
+    monkeypatch.setenv("RLHF_REWARD_ROOTS", f"{tmp_path}/configs, {allowed}")
+    check_reward_spec(f"{allowed}/ok.py:compute_score")
+    for spec in (f"{other}/no.py", f"{allowed}/../elsewhere/no.py", f"{allowed}/link.py"):
+        with pytest.raises(ConfigError, match=r"is outside the folders this deployment allows reward files in "
+                                              r"\(\$RLHF_REWARD_ROOTS: .*/configs, .*/rewards\)"):
+            check_reward_spec(f"{spec}:compute_score")
+    with pytest.raises(ConfigError, match="outside the folders"):
+        load_reward_fn(f"{other}/no.py:compute_score")
