@@ -7,7 +7,14 @@ sample's index and start time into a small shared memory slot, so the sampler kn
 sample is running and since when without any message. A sample past `timeout_s` gets its worker
 killed (a thread could not be); a fresh worker scores the others again (their results went with
 the killed one) and the rest. A worker that dies (a crash, `os._exit` in user code) is handled
-the same way, with the sample it was on named.
+the same way, with the sample it was on named and its own exit code. `sys.exit` in a reward is
+that sample's error, like an exception.
+
+The worker runs in a session of its own, and stopping it (a timeout, a crash, `close`) SIGKILLs
+its whole process group: a program the reward started (generated code looping forever) goes
+with it instead of living on with the sampler's output pipe. Should the sampler die outright
+(the OOM killer), the kernel kills the worker (`PR_SET_PDEATHSIG`) and a small guard process in
+the worker's group kills what is left of the group.
 
 A batched function gets the whole batch in one call, under a deadline of `timeout_s`. When that
 call raises or times out, each sample is scored alone (a batch of one, `timeout_s` each): that
@@ -24,6 +31,7 @@ from __future__ import annotations
 import logging
 import mmap
 import os
+import select
 import signal
 import socket
 import struct
@@ -60,7 +68,8 @@ def _score_one(fn: RewardFunction, item: Item) -> tuple:
     try:
         s = to_score(fn(*item))
         return ("ok", s.reward, s.extra)
-    except Exception as exc:  # noqa: BLE001 - the user's code: any error is that sample's outcome
+    # the user's code: any error is that sample's outcome, `sys.exit` too (not Ctrl-C)
+    except (Exception, SystemExit) as exc:  # noqa: BLE001
         return _failure(exc)
 
 
@@ -68,7 +77,7 @@ def _score_whole(fn: RewardFunction, items: list[Item]) -> list[tuple] | tuple:
     """One call of a batched function: a message per item, or one failure for the whole call."""
     try:
         outs = fn.call_batch(items)
-    except Exception as exc:  # noqa: BLE001
+    except (Exception, SystemExit) as exc:  # noqa: BLE001
         return _failure(exc)
     msgs = []
     for out in outs:
@@ -147,6 +156,25 @@ def _die_with_parent(parent_pid: int) -> None:
         os._exit(1)
 
 
+def _guard(parent_pid: int, fds: tuple[int, ...]) -> None:
+    """Fork a guard into the worker's group: once the sampler or the worker is gone, it SIGKILLs
+    the group (what the reward started; the worker, if the kernel did not already). A process, not
+    a thread: user code holding the GIL (a regex backtracking forever) cannot stop it."""
+    worker_pid = os.getpid()
+    if os.fork():
+        return
+    try:
+        for fd in fds:  # the sampler sees the worker's end of the socket close when the worker dies
+            os.close(fd)
+        select.select([os.pidfd_open(parent_pid), os.pidfd_open(worker_pid)], [], [])
+    except (AttributeError, OSError):  # no pidfd (not Linux >= 5.3), or one of them is gone:
+        while os.getppid() == worker_pid:  # watch the worker (it dies with the sampler)
+            time.sleep(0.5)
+    finally:
+        os.killpg(0, signal.SIGKILL)
+        os._exit(0)
+
+
 _SLOT = struct.Struct("<dq")  # start time (time.monotonic), index of the running sample (-1: none)
 
 
@@ -171,9 +199,12 @@ class _Progress:
 
 def worker_main(fd: int, progress_fd: int, parent_pid: int) -> None:
     """The worker process: load the function named in the first message, then score batches."""
-    # Ctrl-C reaches the whole process group: end quietly (the sampler unwinds and reports)
+    # a SIGINT ends the worker quietly (Ctrl-C reaches the sampler, which unwinds and closes it)
     signal.signal(signal.SIGINT, signal.SIG_DFL)
     _die_with_parent(parent_pid)
+    _guard(parent_pid, (fd, progress_fd))
+    for inherited in (fd, progress_fd):  # not passed on to what the reward runs
+        os.set_inheritable(inherited, False)
     conn, progress = Connection(fd), _Progress(progress_fd)
     spec, batched = conn.recv()
     try:
@@ -236,7 +267,7 @@ class RewardWorker(_RuleRewards):
         try:
             self._proc = subprocess.Popen(
                 [sys.executable, "-m", "pipeline.reward_worker", *map(str, fds), str(os.getpid())],
-                pass_fds=fds, env=env, stdin=subprocess.DEVNULL)
+                pass_fds=fds, env=env, stdin=subprocess.DEVNULL, start_new_session=True)
         finally:
             theirs.close()
         self._conn = Connection(ours.detach())
@@ -269,15 +300,25 @@ class RewardWorker(_RuleRewards):
             raise ConfigError(msg[1])
         self._ready, self.batched = True, msg[1]
 
-    def _kill(self) -> int | None:
+    def _kill(self, wait_s: float = 0.0) -> int | None:
+        """Stop the worker and its whole process group; the worker's exit code (-9: killed). A
+        worker on its way out gets `wait_s` to exit, so that its own exit code is reported."""
         proc, self._proc, self._ready = self._proc, None, False
         if self._conn is not None:
             self._conn.close()
             self._conn = None
         if proc is None:
             return None
-        if proc.poll() is None:
-            proc.kill()
+        try:
+            proc.wait(wait_s)
+        except subprocess.TimeoutExpired:
+            pass
+        # The worker's pid names its group: while a member lives that number is not reused, so
+        # this reaches the worker if still there and what the reward started, also after reaping.
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
         try:
             return proc.wait(5)
         except subprocess.TimeoutExpired:
@@ -302,18 +343,23 @@ class RewardWorker(_RuleRewards):
                     return self._conn.recv()
             except (EOFError, OSError):
                 index = self._progress.read()[0]  # the sample it was on when it died
-                code = self._kill()
+                code = self._kill(wait_s=1.0)
                 return _Lost(max(index, 0), Outcome(error=f"the reward worker died (exit code {code})"))
             if self._progress.read() == (index, started):  # still on the same sample: past its time
                 self._kill()
                 return _Lost(max(index, 0), Outcome(error=f"timed out after {self.timeout_s:g} s", timed_out=True))
 
     def _each(self, items):
-        reply = self._call("each", items)
-        if not isinstance(reply, _Lost):
-            return [_outcome(m) for m in reply]
-        i = reply.index  # a fresh worker scores those before it again, and those after it
-        return self._each(items[:i]) + [reply.outcome] + self._each(items[i + 1:])
+        out: list[Outcome | None] = [None] * len(items)
+        todo = list(range(len(items)))  # a fresh worker scores again those before a lost sample
+        while todo:
+            reply = self._call("each", [items[i] for i in todo])
+            if not isinstance(reply, _Lost):
+                for i, msg in zip(todo, reply):
+                    out[i] = _outcome(msg)
+                break
+            out[todo.pop(reply.index)] = reply.outcome
+        return out
 
     def _whole(self, items):
         reply = self._call("batch", items)

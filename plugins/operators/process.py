@@ -3,7 +3,10 @@
 Airflow supervises the loop; it does not host it. The process runs in its own session (process
 group) so that everything it spawns (torchrun workers, vLLM engine processes) is stopped together:
 on `on_kill` (task cleared or marked failed in the UI), on `execution_timeout`, and when the worker
-itself is interrupted. Its output is streamed line by line into the task log.
+itself is interrupted. Its output is streamed line by line into the task log. Once the process has
+exited, what is still written to its output is read for `output_drain_s` more, then whatever is
+left of its group is stopped: a leftover holding the pipe open (a program a reward started) does
+not keep the task running (the local runner's `_terminate` does the same).
 
 The environment. The process imports user code (the run's reward file, a model's remote code), so
 it does not inherit the worker's environment, which holds the deployment's secrets (metadata
@@ -28,7 +31,10 @@ nothing is killed.
 
 from __future__ import annotations
 
+import codecs
+import io
 import os
+import select
 import subprocess
 import threading
 import time
@@ -104,6 +110,7 @@ class SupervisedProcessOperator(BaseOperator):
     template_fields: Sequence[str] = ("command", "env")
     ui_color = "#d8e8f8"
     monitor_interval_s: float = 5.0
+    output_drain_s: float = 5.0  # how long output is still read once the process has exited
     _stopped_because: str | None = None
 
     def __init__(self, *, command: Sequence[str], env: dict[str, str] | None = None, cwd: str | None = None,
@@ -177,16 +184,12 @@ class SupervisedProcessOperator(BaseOperator):
         started = time.monotonic()
         self._proc = subprocess.Popen(
             argv, cwd=self.cwd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT, text=True, bufsize=1, start_new_session=True,
+            stderr=subprocess.STDOUT, start_new_session=True,
         )
         self._remember(context, self._proc.pid)
         watcher = self._start_monitor(context)
         try:
-            assert self._proc.stdout is not None
-            for line in self._proc.stdout:
-                line = line.rstrip("\n")
-                tail.append(line)
-                self.handle_line(line)
+            self._stream(self._proc, tail)
             code = self._proc.wait()
         finally:
             # Reached on success, on a non-zero exit, and when execution_timeout or a signal
@@ -195,6 +198,7 @@ class SupervisedProcessOperator(BaseOperator):
             if self._proc.poll() is None:
                 self.log.warning("stopping process group %s", self._proc.pid)
             stop_group(self._proc.pid, self.kill_grace_s)
+            self._proc.stdout.close()  # a leftover outside the group that writes on gets EPIPE
             self._remember(context, None)
         elapsed = round(time.monotonic() - started, 1)
         if self._stopped_because:
@@ -204,6 +208,34 @@ class SupervisedProcessOperator(BaseOperator):
             raise AirflowException(f"{argv[0]} exited with code {code} after {elapsed}s; last lines:\n{quoted}")
         self.log.info("finished in %ss", elapsed)
         return {"returncode": code, "elapsed_s": elapsed}
+
+    def _stream(self, proc: subprocess.Popen, tail: deque) -> None:
+        """Pass the output to `handle_line` line by line (universal newlines, UTF-8) until it ends,
+        or, once the process has exited, for `output_drain_s` at most: a process it started may
+        hold the pipe open for good."""
+        fd = proc.stdout.fileno()
+        decoder = io.IncrementalNewlineDecoder(codecs.getincrementaldecoder("utf-8")("replace"), True)
+        pending, deadline = "", None
+        while True:
+            if deadline is None and proc.poll() is not None:
+                deadline = time.monotonic() + self.output_drain_s
+            wait = 1.0 if deadline is None else deadline - time.monotonic()
+            if wait <= 0:
+                self.log.warning("the process exited with code %s, but its output is still open %ss "
+                                 "later: a process it started holds it", proc.returncode, self.output_drain_s)
+                break
+            if not select.select([fd], [], [], wait)[0]:
+                continue
+            chunk = os.read(fd, 65536)
+            *lines, pending = (pending + decoder.decode(chunk, final=not chunk)).split("\n")
+            for line in lines:
+                tail.append(line)
+                self.handle_line(line)
+            if not chunk:
+                break
+        if pending:
+            tail.append(pending)
+            self.handle_line(pending)
 
     # watching the process while it runs ------------------------------------------------------
     def monitor(self, context) -> str | None:
