@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import shutil
 import tempfile
@@ -30,13 +31,15 @@ def localize(url: str) -> str:
 
     The copy is made in a folder of its own and renamed into place when complete, so processes of
     one node that localize the same model at once (sampler replicas, a reward model) never read a
-    folder another one is still writing; the first rename wins and the others drop their copy."""
+    folder another one is still writing; the first rename wins and the others drop their copy. The
+    copy is named by the URL and the remote files' sizes and versions: new content at the same URL
+    is copied again (the old copy stays for runs that use it)."""
     fs, path = url_to_fs(url)
     if is_local(fs):
         if not os.path.isdir(path):
             raise FileNotFoundError(f"model folder {url!r} does not exist")
         return path
-    key = hashlib.sha256(url.encode()).hexdigest()[:16]
+    key = hashlib.sha256(f"{url.rstrip('/')}\n{_fingerprint(fs, path)}".encode()).hexdigest()[:16]
     dst = cache_dir() / "remote" / key
     if (dst / ".complete").exists():
         return str(dst)
@@ -57,6 +60,20 @@ def localize(url: str) -> str:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return str(dst)
+
+
+# what object stores and filesystems report of a file's content, first found first
+_VERSION_FIELDS = ("ETag", "etag", "md5Hash", "LastModified", "last_modified", "updated", "mtime", "created")
+
+
+def _fingerprint(fs, path: str) -> str:
+    """The folder's files with their sizes and versions (ETag, modification time...): a model
+    uploaded again to the same URL is another cache entry, not the old copy (one listing)."""
+    root = path.rstrip("/")
+    files = fs.find(root, detail=True)
+    return json.dumps(sorted((name[len(root):], info.get("size"),
+                              str(next((info[f] for f in _VERSION_FIELDS if info.get(f) is not None), "")))
+                             for name, info in files.items()))
 
 
 def _sweep_abandoned(parent: Path, key: str) -> None:

@@ -65,3 +65,20 @@ def test_a_copy_abandoned_by_a_dead_process_is_removed(remote):
     os.remove(os.path.join(dst, ".complete"))  # the next call copies again
     model_cache.localize(url)
     assert not old.exists() and fresh.exists()
+
+
+def test_a_model_uploaded_again_to_the_same_url_is_copied_again(monkeypatch, tmp_path):
+    """The cache was keyed by the URL alone: runs went on with the first copy for good."""
+    monkeypatch.setenv(model_cache.CACHE_ENV, str(tmp_path / "cache"))
+    fs = MemoryFileSystem()
+    fs.pipe_file("/bucket2/m/config.json", b'{"v": 1}')
+    try:
+        first = model_cache.localize("memory://bucket2/m")
+        assert model_cache.localize("memory://bucket2/m/") == first  # a trailing slash is the same folder
+        time.sleep(0.01)
+        fs.pipe_file("/bucket2/m/config.json", b'{"v": 22}')
+        second = model_cache.localize("memory://bucket2/m")
+        assert second != first and open(os.path.join(second, "config.json")).read() == '{"v": 22}'
+        assert open(os.path.join(first, "config.json")).read() == '{"v": 1}'  # a run using it keeps it
+    finally:
+        fs.rm("/bucket2", recursive=True)
