@@ -322,12 +322,17 @@ def finalize(run: RunDir, threads: int = 2) -> dict:
     latest = store.latest() or 0
     report = store.verify(latest)  # the policy the run hands on: every file, every checksum
     evals = run.read_json("eval.json", {}) or {}
-    scored = {}
     for v in (0, latest):
         if str(v) not in evals:
-            evals[str(v)] = scored[v] = evaluate_policy(run, v, threads)
+            evals[str(v)] = evaluate_policy(run, v, threads)
             run.write_json("eval.json", evals)
-    log_evaluations(run, scored)  # each at step v: version v is the policy after v steps
+    # each at step v (version v is the policy after v steps); those an attempt that failed after
+    # its evaluations did not get to are sent by this one
+    tracked = set((run.read_json("eval_tracked.json", {}) or {}).get("versions", []))
+    untracked = {v: evals[str(v)] for v in sorted({0, latest}) if v not in tracked}
+    if untracked and run.config().tracking.backends:
+        log_evaluations(run, untracked)
+        run.write_json("eval_tracked.json", {"versions": sorted(tracked | set(untracked))})
     compaction = compact_buffer(run)
     log.info("buffer compaction into L3: %s", compaction)
     summary = build_summary(run, eval_before=evals["0"], eval_after=evals[str(latest)], policy_version=latest)
