@@ -10,6 +10,7 @@ import time
 import pytest
 import torch
 
+from pipeline.buffer import ReplayBuffer
 from pipeline.config import TrainerConfig
 from pipeline.policy import PolicyStore
 from pipeline.reshard.checkpoint import load_model_weights
@@ -63,7 +64,6 @@ def test_trainer_waits_for_the_replay_gate_then_replays_and_phases_reach_the_sam
     assert proc.wait(timeout=60) == 0
     replays = [r for r in run.read_metrics("trainer") if r.get("replay/is_replay") == 1]
     assert replays and all(0 < r["replay/weight_mean"] <= 1 for r in replays)
-    from pipeline.buffer import ReplayBuffer
 
     st = ReplayBuffer(run.buffer_url, run.config().buffer).refresh()
     replayed = [g for g in st.l2_groups.values() if g.replays > 0]
@@ -77,7 +77,9 @@ def test_trainer_waits_for_the_replay_gate_then_replays_and_phases_reach_the_sam
 
     published = load_file(os.path.join(store.local_dir(4), "model.safetensors"))
     ck = [c for c in list_checkpoints(run) if c.step == 4][0]
-    assert ck.meta == {"step": 4, "world_size": 1, "policy_version": 4, "format": "dcp", "kind": "phase"}
+    assert ck.meta == {"step": 4, "world_size": 1, "policy_version": 4, "format": "dcp", "kind": "phase",
+                       "buffer_version": ck.meta["buffer_version"]}
+    assert ReplayBuffer(run.buffer_url).refresh().version >= ck.meta["buffer_version"] > 0
     saved = load_model_weights(ck.url)
     assert all(torch.equal(published[k], saved[k]) for k in saved)
 
