@@ -40,7 +40,7 @@ import torch  # noqa: E402
 
 from pipeline.data import load_prompts  # noqa: E402
 from pipeline.example import ensure_example  # noqa: E402
-from pipeline.models import load_model, load_tokenizer, render_prompt  # noqa: E402
+from pipeline.models import load_model, load_tokenizer, prompt_token_ids  # noqa: E402
 from pipeline.sampler.backend import GenParams  # noqa: E402
 from pipeline.sampler.hf import HFBackend  # noqa: E402
 from pipeline.sampler.parity import measure_gap  # noqa: E402
@@ -74,7 +74,7 @@ def bench_model(size: str, batches: list[int], group: int, params: GenParams, re
     model_dir = os.path.join(ensure_example("sort", 0, size), "model")
     tok = load_tokenizer(model_dir)
     rows = load_prompts(os.path.join(os.path.dirname(model_dir), "data", "test.parquet"), "bench")
-    ids = [tok(render_prompt(tok, r.messages), add_special_tokens=False)["input_ids"] for r in rows]
+    ids = prompt_token_ids(tok, [r.messages for r in rows])
     hf = HFBackend(model_dir, threads=threads, seed=0, max_batch_tokens=UNSPLIT)
     t0 = time.perf_counter()
     vl = VLLMBackend(model_dir, threads=threads, seed=0, options={"max_model_len": 256}, max_batch_tokens=UNSPLIT)

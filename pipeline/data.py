@@ -126,12 +126,12 @@ def filter_overlong(prompts: list[PromptRow], tokenizer, max_tokens: int, policy
 
     policy `filter` drops the longer ones (verl's `filter_overlong_prompts`); `fail` raises a
     ConfigError naming the first one."""
-    from .models import render_prompt
+    from .models import prompt_token_ids
 
     kept: list[PromptRow] = []
     for start in range(0, len(prompts), 1024):
         chunk = prompts[start:start + 1024]
-        ids = tokenizer([render_prompt(tokenizer, p.messages) for p in chunk], add_special_tokens=False)["input_ids"]
+        ids = prompt_token_ids(tokenizer, [p.messages for p in chunk])
         for p, t in zip(chunk, ids):
             if not t:  # the sampler would continue from nothing, and the trainer has no prompt token to score from
                 raise ConfigError(f"{field}: prompt {p.prompt_id} (data_source {p.data_source!r}) renders to no tokens "

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from .data import PromptRow
-from .models import render_prompt
+from .models import prompt_token_ids
 from .sampler.backend import GenParams, SamplerBackend
 from .scoring import RewardSample, RewardScorer
 
@@ -16,7 +16,7 @@ def evaluate(backend: SamplerBackend, tokenizer, prompts: list[PromptRow], score
     n = 0
     for start in range(0, len(prompts), batch_size):
         chunk = prompts[start:start + batch_size]
-        ids = [tokenizer(render_prompt(tokenizer, p.messages), add_special_tokens=False)["input_ids"] for p in chunk]
+        ids = prompt_token_ids(tokenizer, [p.messages for p in chunk])
         outs = backend.generate(ids, 1, GenParams(max_new_tokens=max_new_tokens, greedy=True))
         scored = scorer.score_batch([RewardSample(p.prompt_id, p.data_source, p.messages, group[0].text,
                                                   p.ground_truth, p.extra_info) for p, group in zip(chunk, outs)])

@@ -80,6 +80,33 @@ def _remote_code_hint(path: str):
                          f"(set it only for folders you trust); transformers said: {e}") from None
 
 
+def prompt_token_ids(tokenizer, prompts: list) -> list[list[int]]:
+    """The token ids the model continues, for each prompt (as `render_prompt` takes them). Text from
+    the chat template is taken as it is (the template writes the BOS token it wants); text without
+    one (no template, or a plain-string prompt) starts with the BOS token when the tokenizer puts one
+    there, as the model was trained (Llama and Gemma base models)."""
+    texts = [render_prompt(tokenizer, p) for p in prompts]
+    ids = tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
+    bos = getattr(tokenizer, "bos_token_id", None)
+    if bos is None or not _starts_with_bos(tokenizer):
+        return ids
+    templated = bool(getattr(tokenizer, "chat_template", None))
+    return [t if (templated and not isinstance(p, str)) or t[:1] == [bos] else [bos, *t] for p, t in zip(prompts, ids)]
+
+
+def _starts_with_bos(tokenizer) -> bool:
+    """Whether the tokenizer starts what it encodes with its BOS token (asked once per tokenizer)."""
+    known = getattr(tokenizer, "_rlhf_starts_with_bos", None)
+    if known is None:
+        ids = tokenizer("a")["input_ids"]
+        known = bool(ids) and ids[0] == tokenizer.bos_token_id
+        try:
+            tokenizer._rlhf_starts_with_bos = known
+        except AttributeError:
+            pass
+    return known
+
+
 def render_prompt(tokenizer, messages) -> str:
     """verl `prompt` (list of chat messages) or plain string -> the text the model continues."""
     if isinstance(messages, str):

@@ -16,7 +16,7 @@ import os
 def _prompt_ids(data: str, policy_dir: str, limit: int, seed: int) -> list[list[int]]:
     from ..config import ConfigError
     from ..data import load_prompts
-    from ..models import load_tokenizer, render_prompt
+    from ..models import load_tokenizer, prompt_token_ids
 
     if data.startswith("builtin:"):
         from ..example import ensure_example
@@ -29,7 +29,7 @@ def _prompt_ids(data: str, policy_dir: str, limit: int, seed: int) -> list[list[
         data = os.path.join(ensure_example(task, seed), "data", "test.parquet")
     rows = load_prompts(data, "--data", limit=limit)
     tok = load_tokenizer(policy_dir)
-    return [tok(render_prompt(tok, r.messages), add_special_tokens=False)["input_ids"] for r in rows]
+    return prompt_token_ids(tok, [r.messages for r in rows])
 
 
 def cmd_parity(args) -> int:

@@ -34,7 +34,7 @@ from ..buffer.schema import content_hash, to_table
 from ..locations import validate_name
 from ..data import PromptRow, filter_overlong, load_prompts
 from ..devices import engine_loaded, set_threads
-from ..models import load_tokenizer, render_prompt
+from ..models import load_tokenizer, prompt_token_ids
 from ..policy import PolicyStore
 from ..rundir import RunDir
 from ..scoring import BatchScores, RewardError, RewardSample, RewardScorer, check_sources
@@ -336,7 +336,7 @@ class Sampler:
         time.sleep(self.delay_s)
         self.stream.position = draw * sc.prompts_per_batch
         batch = self.stream.take(sc.prompts_per_batch)
-        prompt_ids = [tok(render_prompt(tok, p.messages), add_special_tokens=False)["input_ids"] for p in batch]
+        prompt_ids = prompt_token_ids(tok, [p.messages for p in batch])
         groups = self.backend.generate(prompt_ids, sc.group_size,
                                        dataclasses.replace(self.params, seed=self.backend.call_seed(draw + 1)))
         gen_s = time.time() - t0

@@ -1,6 +1,8 @@
 """Loading user models: code shipped in a folder runs only when trusted; tokenizers without a pad
 token pad with EOS; every EOS id of the generation config ends a completion; chat templates render."""
 
+import os
+
 import pytest
 import torch
 from models_factory import model_with_shipped_code
@@ -60,3 +62,38 @@ def test_families_with_a_pad_token_keep_it(family):
     tok = load_tokenizer(ensure_tiny_arch(family))
     assert tok.pad_token_id is not None and tok.pad_token_id != tok.eos_token_id
     assert render_prompt(tok, [{"role": "user", "content": "sort 31:"}]) == "sort 31: "  # the built-in chat template
+
+
+class _BosTokenizer:
+    """One id per character; puts BOS (1) first when asked for special tokens, as Llama's does."""
+
+    bos_token_id = 1
+
+    def __init__(self, chat_template=None):
+        self.chat_template = chat_template
+
+    def __call__(self, texts, add_special_tokens=True):
+        one = isinstance(texts, str)
+        ids = [([1] if add_special_tokens else []) + [ord(c) for c in t] for t in ([texts] if one else texts)]
+        return {"input_ids": ids[0] if one else ids}
+
+    def apply_chat_template(self, messages, tokenize=False, add_generation_prompt=True):
+        return "<s>" + "".join(m["content"] for m in messages)  # the template writes its own BOS
+
+
+def test_prompts_without_a_chat_template_start_with_the_bos_token_the_tokenizer_puts_first():
+    from pipeline.models import prompt_token_ids
+
+    chat = [{"role": "user", "content": "hi"}]
+    assert prompt_token_ids(_BosTokenizer(), [chat, "hi"]) == [[1, ord("h"), ord("i")]] * 2
+    templated = prompt_token_ids(_BosTokenizer(chat_template="..."), [chat, "hi"])
+    assert templated == [[ord(c) for c in "<s>hi"], [1, ord("h"), ord("i")]]  # a plain string is not templated
+
+
+def test_a_tokenizer_without_bos_encodes_prompts_as_before(digit_example):
+    from pipeline.models import prompt_token_ids
+
+    tok = load_tokenizer(os.path.join(digit_example, "model"))
+    chat = [{"role": "user", "content": "digits 3 1 4 :"}]
+    assert prompt_token_ids(tok, [chat, "digits 3"]) == [
+        tok(render_prompt(tok, chat), add_special_tokens=False)["input_ids"], tok("digits 3", add_special_tokens=False)["input_ids"]]
