@@ -7,8 +7,9 @@ only once that manifest exists, so a sampler never loads a partial folder. `poli
 points to the newest version; it is a hint updated after the commit, and the manifest stays the
 source of truth. The publications: v0 in `prepare` (`publish_folder`), the trainer's in-phase
 versions (`publish_model`, in-memory weights) and each phase's checkpoint (`publish_checkpoint`,
-which also verifies every file against the manifest; the DAG's reshard task and the local runner
-call it).
+which also verifies every file against the manifest and casts the weights to the serving dtype,
+`model.dtype`; the DAG's reshard task and the local runner call it). v0 is the user's model folder as
+it is; every later version, like each trainer checkpoint, carries v0's files but weights (`base_meta`).
 
 Retention (`retain`): the trainer deletes old versions every few publications, in a constant number
 of requests however many go; a loader takes the newest version through `lease_latest`, which
@@ -35,8 +36,8 @@ from typing import Iterable, Iterator
 
 from .config import ConfigError
 from .model_cache import cache_dir
-from .policy_cache import (IDLE_RUN_S, LOCAL_COPIES, REMOTE_POLL_S, SHARED, VERSION_RE, LocalCopies, sweep_idle_runs,
-                           version_dirname)
+from .policy_cache import (IDLE_RUN_S, LOCAL_COPIES, REMOTE_POLL_S, SHARED, VERSION_RE, LocalCopies, all_files,
+                           sweep_idle_runs, version_dirname)
 from .rundir import RunDir
 from .storage import delete, file_exists, is_local, list_names, put_atomic, read_bytes
 
@@ -74,6 +75,7 @@ class PolicyStore:
         self._uploads = None  # publisher on an object store: pipeline.policy_upload.Uploads
         self._leased: set[str] = set()  # holders whose lease this store wrote and did not remove
         self._meta: tuple[tuple, tempfile.TemporaryDirectory] | None = None  # see _rendered_meta
+        self._base: tempfile.TemporaryDirectory | None = None  # see base_meta
 
     def _dir(self, version: int) -> str:
         return self.run.path("policy", version_dirname(version))
@@ -92,20 +94,21 @@ class PolicyStore:
         return self.run.child_url("policy", version_dirname(version))
 
     # publishing -------------------------------------------------------------------------------
-    def publish_folder(self, version: int, source_url: str, meta: dict | None = None) -> bool:
+    def publish_folder(self, version: int, source_url: str, meta: dict | None = None, dtype=None) -> bool:
         """Publish a complete model as `version` through `pipeline.reshard` (the one publication
         path): a Hugging Face folder, or any layout it reads (a trainer checkpoint, tp:N), on local
-        disk or any fsspec URL; `meta` adds keys to the manifest. Idempotent: returns False if the
-        version was already committed (a retried task)."""
-        return not self.exists(version) and self._publish(version, source_url, meta)
+        disk or any fsspec URL; `meta` adds keys to the manifest; `dtype` (a torch dtype) casts the
+        floating-point weights. Idempotent: returns False if the version was already committed (a
+        retried task)."""
+        return not self.exists(version) and self._publish(version, source_url, meta, dtype)
 
-    def _publish(self, version: int, source_url: str, meta: dict | None) -> bool:
+    def _publish(self, version: int, source_url: str, meta: dict | None, dtype=None) -> bool:
         """Publish `version`, which the caller has just seen uncommitted, and move `latest.json`;
         whether this call committed it."""
         from .reshard import publish
 
         committed = publish(source_url, self.url(version), "hf", policy_version=version, extra=meta,
-                            known_new=True)[1]
+                            known_new=True, dtype=dtype)[1]
         if committed:
             self._move_hint(version)
         return committed
@@ -141,7 +144,7 @@ class PolicyStore:
             return False
         from .weights import write_hf_folder
 
-        rendered = self._rendered_meta(model, tokenizer)
+        rendered = self.base_meta() or self._rendered_meta(model, tokenizer)
         with tempfile.TemporaryDirectory(prefix="policy-") as tmp:
             folder = os.path.join(tmp, "model")
             write_hf_folder(folder, weights=model.state_dict() if weights is None else weights, meta_from=rendered)
@@ -153,11 +156,27 @@ class PolicyStore:
                 self._uploads = Uploads(self)
             return self._uploads.publish(version, folder, meta, tmp, defer)
 
+    def base_meta(self) -> str | None:
+        """A local folder with v0's files but its weights (the user's config, generation config,
+        tokenizer, shipped code...: what a trained version carries byte for byte, where rendering
+        them again would rewrite keys and drop files); None while v0 is not committed. Fetched once."""
+        if self._base is None:
+            manifest = self.manifest(0)
+            if manifest is None:
+                return None
+            from .reshard.layout import is_weight_file
+
+            tmp = tempfile.TemporaryDirectory(prefix="policy-base-")
+            for name in sorted(all_files(manifest)):
+                if "/" not in name and not is_weight_file(name):
+                    self._fetch(0, manifest, name, os.path.join(tmp.name, name))
+            self._base = tmp
+        return self._base.name
+
     def _rendered_meta(self, model, tokenizer) -> str:
-        """A local folder with `model`'s config and generation config and `tokenizer`, rendered once
-        for the objects this store publishes with: they do not change while a trainer trains, and
-        rendering them was most of a small model's publication, on the trainer's publication thread
-        (time its training step then waits for the interpreter lock)."""
+        """Without v0 (a bare store): a folder with `model`'s config, generation config and `tokenizer`,
+        rendered once for the objects this store publishes with (they do not change while a trainer
+        trains; rendering them was most of a small model's publication, on the trainer's thread)."""
         from .weights import write_hf_folder
 
         key = (model.config, getattr(model, "generation_config", None), tokenizer)
@@ -171,12 +190,22 @@ class PolicyStore:
 
     def publish_checkpoint(self, version: int, checkpoint_url: str) -> PolicyPublication:
         """Publish the trainer checkpoint at `checkpoint_url` as `version` and verify every file of
-        the version against its manifest: a phase's publication. Idempotent (a retried task
-        verifies what the first attempt committed); raises ReshardError when the checkpoint is
-        unusable or the version does not verify."""
-        published = self.publish_folder(version, checkpoint_url)
+        the version against its manifest: a phase's publication. Its float32 master weights are
+        cast to the serving dtype (`model.dtype`), as the in-phase versions are. Idempotent (a
+        retried task verifies what the first attempt committed); raises ReshardError when the
+        checkpoint is unusable or the version does not verify."""
+        published = self.publish_folder(version, checkpoint_url, dtype=self._serving_dtype())
         report = self.verify(version)
         return PolicyPublication(version, published, report.files, report.bytes)
+
+    def _serving_dtype(self):
+        """The torch dtype of the run's `model.dtype`; None for a store without a run config."""
+        import torch
+
+        try:
+            return getattr(torch, self.run.config().model.dtype)
+        except ConfigError:
+            return None
 
     def verify(self, version: int):
         """Check every file of `version` against its manifest; returns the `Verification` and raises
@@ -351,12 +380,13 @@ class PolicyStore:
         manifest = self.manifest(version)
         if manifest is None:
             raise FileNotFoundError(f"policy version {version} is not published in {self.run.url}")
-        src, shared = self._dir(version), manifest.get(SHARED, {})
+        return copies.download(version, manifest, lambda name, target: self._fetch(version, manifest, name, target))
 
-        def fetch(name: str, target: str) -> None:
-            self.fs.get_file(self.run.path("policy", shared[name]["path"]) if name in shared else f"{src}/{name}", target)
-
-        return copies.download(version, manifest, fetch)
+    def _fetch(self, version: int, manifest: dict, name: str, target: str) -> None:
+        """Copy file `name` of the committed `version` (its `manifest`) from the run directory to `target`."""
+        shared = manifest.get(SHARED, {})
+        where = self.run.path("policy", shared[name]["path"]) if name in shared else f"{self._dir(version)}/{name}"
+        self.fs.get_file(where, target)
 
     @contextlib.contextmanager
     def _pinned(self, folder: str) -> Iterator[bool]:

@@ -2,8 +2,10 @@
 (`load_state_dict`) of config.json, generation_config.json, tokenizer files and safetensors weights.
 
 Everything that turns a model, its config or its tokenizer into files goes through
-`write_hf_folder`: the trainer's in-phase policy publications (weights and metadata), the metadata
-of its checkpoints (`hf/`, no weights) and `PolicyStore.publish_model`. Published policy versions
+`write_hf_folder`: the trainer's in-phase policy publications (their weights, beside policy v0's
+other files; rendered metadata only where no v0 is published) and `PolicyStore.publish_model`.
+Trained versions and checkpoints copy v0's config and tokenizer files rather than render them:
+saving them again would rewrite them (other keys, dropped files). Published policy versions
 are Hugging Face folders too; `pipeline.reshard` writes those from a folder written here or from a
 checkpoint (page-aligned safetensors, checksummed, committed by a manifest) and reads folders back
 tensor by tensor without this module.

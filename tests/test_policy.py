@@ -353,14 +353,14 @@ def test_in_phase_versions_on_object_stores_upload_only_their_weights_and_downlo
     assert publisher.verify(2).files == len(m["files"])
 
 
-def test_a_publisher_renders_config_and_tokenizer_once_for_the_model_it_publishes(model_dir, tmp_path, monkeypatch):
-    """The meta files of in-phase versions are rendered once per (config, generation config,
-    tokenizer) and copied after: every version holds the same files, and another tokenizer object
-    is rendered afresh."""
+def test_without_v0_a_publisher_renders_config_and_tokenizer_once_for_the_model_it_publishes(model_dir, tmp_path,
+                                                                                             monkeypatch):
+    """A store without v0 (whose files versions otherwise carry: tests/test_policy_meta.py) renders
+    the meta files of in-phase versions once per (config, generation config, tokenizer) and copies
+    them after: every version holds the same files, and another tokenizer object is rendered afresh."""
     from pipeline.models import load_model, load_tokenizer
 
     store = _store(f"file://{tmp_path}/run-1")
-    store.publish_folder(0, model_dir)
     model, tok = load_model(model_dir, "float32"), load_tokenizer(model_dir)
     saves: Counter = Counter()
     for cls, name in ((type(model.config), "config"), (type(tok), "tokenizer")):

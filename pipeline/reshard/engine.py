@@ -26,7 +26,7 @@ from .arch import EMBED, LM_HEAD, Architecture
 from .checkpoint import checkpoint_meta
 from .files import HashPipe
 from .ring import TensorRing
-from .layout import MANIFEST, MANIFEST_VERSION, ReshardError, TensorSpec, ordered, parse_format
+from .layout import MANIFEST, MANIFEST_VERSION, ST_CODES, ReshardError, TensorSpec, ordered, parse_format
 from .manifest import encode, read_manifest, verify
 from .sinks import META_PREFIX, make_sink
 from .sources import open_source
@@ -126,27 +126,34 @@ def _same_request(existing: dict, fmt: str, version, step, arch: str, specs, sou
     if source_url is not None and existing.get("source_url", source_url) != source_url:
         return False
     listed = existing.get("tensors")
-    return not isinstance(listed, dict) or {n: list(t.get("shape", [])) for n, t in listed.items()} == \
-        {s.name: list(s.shape) for s in specs}
+    dtypes = {s.name: ST_CODES[s.dtype] for s in specs}  # an entry without a dtype matches any
+    return not isinstance(listed, dict) or {n: (list(t.get("shape", [])), t.get("dtype", dtypes.get(n)))
+                                            for n, t in listed.items()} == \
+        {s.name: (list(s.shape), dtypes[s.name]) for s in specs}
 
 
 def reshard(src_url: str, dst_url: str, to: str = "hf", *, policy_version: int | None = None,
-            max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, extra: dict | None = None) -> dict:
-    """Reshard the checkpoint at `src_url` into layout `to` at `dst_url`; returns the manifest."""
-    return publish(src_url, dst_url, to, policy_version=policy_version, max_shard_bytes=max_shard_bytes, extra=extra)[0]
+            max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, extra: dict | None = None,
+            dtype: torch.dtype | None = None) -> dict:
+    """Reshard the checkpoint at `src_url` into layout `to` at `dst_url`; returns the manifest.
+    `dtype`: cast the floating-point tensors to it (the others, and by default all, keep theirs)."""
+    return publish(src_url, dst_url, to, policy_version=policy_version, max_shard_bytes=max_shard_bytes, extra=extra,
+                   dtype=dtype)[0]
 
 
 def publish(src_url: str, dst_url: str, to: str = "hf", *, policy_version: int | None = None,
             max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, extra: dict | None = None,
-            known_new: bool = False) -> tuple[dict, bool]:
+            known_new: bool = False, dtype: torch.dtype | None = None) -> tuple[dict, bool]:
     """`reshard`, also saying whether this call committed the output (False: it already existed).
     `known_new`: the caller has just seen DST without a manifest, so it is not read again (the
     create-only commit still decides between concurrent publishers)."""
     fmt = parse_format(to)
     if max_shard_bytes < 1:
         raise ReshardError(f"max_shard_bytes: {max_shard_bytes} must be positive")
+    if dtype is not None and not dtype.is_floating_point:
+        raise ReshardError(f"dtype: {dtype} is not a floating-point dtype; only floating tensors are cast")
     fs, root = url_to_fs(dst_url)
-    source = open_source(src_url)
+    source = _Cast.maybe(open_source(src_url), dtype)
     try:
         if source.fs.protocol == fs.protocol and (root == source.root or root.startswith(source.root.rstrip("/") + "/")):
             raise ReshardError(f"destination {dst_url!r} is the source or inside it; choose another folder")
@@ -176,6 +183,33 @@ def publish(src_url: str, dst_url: str, to: str = "hf", *, policy_version: int |
         return _write(source, fs, root, fmt, arch, header, max_shard_bytes, extra)
     finally:
         source.close()
+
+
+class _Cast:
+    """The source with its floating-point tensors cast to `dtype` (the specs say so, and the
+    manifest then): those are read through memory, never copied file to file."""
+
+    def __init__(self, source, dtype: torch.dtype):
+        self.inner, self.dtype = source, dtype
+        self.cast = {s.name for s in source.specs if s.dtype.is_floating_point and s.dtype != dtype}
+        self.specs = [TensorSpec(s.name, s.shape, dtype) if s.name in self.cast else s for s in source.specs]
+        self.copyable = source.copyable and not self.cast
+
+    @classmethod
+    def maybe(cls, source, dtype: torch.dtype | None):
+        return source if dtype is None else cls(source, dtype)
+
+    def __getattr__(self, attr):
+        return getattr(self.inner, attr)
+
+    def read(self, name: str, out=None):
+        if name not in self.cast:
+            return self.inner.read(name, out)
+        t = self.inner.read(name)
+        return t.to(self.dtype) if out is None else out.copy_(t)
+
+    def locate(self, name: str):
+        return None if name in self.cast else self.inner.locate(name)
 
 
 class _Renamed:

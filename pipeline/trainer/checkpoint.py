@@ -4,7 +4,8 @@
                             (its one writer, `save_dcp`): dcp/ with model.<hf name> (policy),
                             critic.<name>, optim.state.*, sched.last_epoch,
                             trainer.{step,cursor,replay_epochs_done,updates}, rng.torch; hf/ with the
-                            config and tokenizer; meta.json (+ "kind") written last
+                            files of policy v0 but its weights (config, tokenizer...: the user's,
+                            byte for byte); meta.json (+ "kind") written last
 
 A checkpoint exists only once its meta.json is there, so a trainer killed while saving leaves a
 folder that every reader ignores (and the next save of that step replaces). DCP stores each rank's
@@ -27,6 +28,7 @@ from dataclasses import dataclass
 import torch
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+from ..policy import PolicyStore
 from ..reshard.checkpoint import dcp_load, dcp_reader, read_meta, save_dcp
 from ..reshard.layout import DCP_DIR, META
 from ..rundir import RunDir
@@ -116,10 +118,13 @@ def save_checkpoint(run: RunDir, actor: ActorCritic, opt, sched, st: TrainerStat
     state, _ = _state(actor, opt, sched, st)
     policy = actor.policy
     url = run.child_url("checkpoints", f"step_{st.step}")
+    store = PolicyStore(run)  # hf/ holds policy v0's files but weights, byte for byte: what versions carry
     with tempfile.TemporaryDirectory(prefix="ckpt-hf-") as tmp:
-        hf = os.path.join(tmp, "hf")
-        write_hf_folder(hf, config=policy.config, tokenizer=tokenizer,
-                        generation_config=getattr(policy, "generation_config", None))
+        hf = store.base_meta()
+        if hf is None:  # no v0 (a run not prepared): the metadata rendered from memory
+            hf = os.path.join(tmp, "hf")
+            write_hf_folder(hf, config=policy.config, tokenizer=tokenizer,
+                            generation_config=getattr(policy, "generation_config", None))
         meta = save_dcp(state, url, hf, step=st.step, world_size=world.size, policy_version=st.step, kind=kind,
                         extra=None if buffer_version is None else {"buffer_version": buffer_version})
     if world.is_main:

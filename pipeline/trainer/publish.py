@@ -12,8 +12,9 @@ still waiting when a newer one comes is replaced by it (samplers load the newest
 the sampler runs on a fixed lag (`sampler.fixed_lag`: it loads a given version), when the trainer waits
 for the thread to take the one queued instead; a failed
 publication fails the trainer at its next publication or at its end. The checkpoint closing a phase becomes `policy/v<step>` through
-`PolicyStore.publish_checkpoint`, which the orchestrator calls (the DAG's reshard task, the local
-runner's `advance`), not the trainer.
+`PolicyStore.publish_checkpoint` (cast to the serving dtype too), which the orchestrator calls (the
+DAG's reshard task, the local runner's `advance`), not the trainer. Besides their weights, versions
+carry policy v0's files byte for byte (`PolicyStore.base_meta`).
 
 Retention (`prune_policies`, rank 0 after `trainer.keep_policy_versions` in-phase publications,
 at most every RETAIN_EVERY_S, and at the end; the trainer is the one deleter): the newest
