@@ -109,7 +109,9 @@ def draw(groups: dict[str, ReplayGroup], max_replays: int, num_groups: int, alph
 def replays_to_restore(entries, st) -> "RestoreReplays | None":
     """What takes back the replays `entries` (the log after some version V) recorded: for each L2
     group they touched, the net count they added and the priority it had at V (the first touch's
-    previous one; unknown in logs older than that field: the priority stays). None: nothing to do."""
+    previous one; unknown in logs older than that field: the priority stays). A group evicted since
+    is not there to draw again; its replays still leave the buffer's total (`replays_done`), which
+    then matches what the lineage ledger lists. None: nothing to do."""
     from .actions import RecordReplays, RestoreReplays
 
     net: dict[str, int] = {}
@@ -128,8 +130,14 @@ def replays_to_restore(entries, st) -> "RestoreReplays | None":
     keys, prios, counts = [], [], []
     for k, n in net.items():
         g = st.l2_groups.get(k)
-        p = g.priority if g is None or before[k] is None else before[k]
-        if g is not None and (n > 0 or p != g.priority):
+        if g is None:  # evicted since (its shard used up): only the buffer's total count goes back
+            if n > 0:
+                keys.append(k)
+                prios.append(0.0)
+                counts.append(n)
+            continue
+        p = g.priority if before[k] is None else before[k]
+        if n > 0 or p != g.priority:
             keys.append(k)
             prios.append(p)
             counts.append(max(n, 0))

@@ -134,7 +134,7 @@ class BufferState:
                 g.priority = float(p)
                 n = min(n, g.replays)
                 g.replays -= n
-                self.replays_done -= n
+            self.replays_done -= min(n, self.replays_done)  # an evicted group's too
 
     def _remove(self, path: str, t: float, tombstone: bool = True) -> None:
         info = self.shards.pop(path, None)

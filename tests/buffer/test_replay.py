@@ -185,3 +185,16 @@ def test_restore_replays_changes_nothing_when_the_log_after_the_version_is_gone(
     (tmp_path / "b" / LOG_DIR / entry_name(checkpoint + 1)).unlink()  # as vacuum would, past retention
     assert buf.restore_replays(checkpoint) == -1
     assert _replays(buf)["a-g0"] == (5.0, 1)
+
+
+def test_restore_replays_of_a_group_evicted_since_takes_back_its_count(buffer_url):
+    """A shard whose groups used up their replays leaves L2 at the next promotion: the trainer
+    resumed from a checkpoint before those replays must start (it failed on the missing group)."""
+    buf = _buf(buffer_url, max_replays_per_group=1, l2_max_groups=2)
+    buf.promote(make_groups("a", 2, rewards=[SPREAD] * 2, seed=1))
+    checkpoint = buf.state.version
+    buf.update_priorities(["a-g0", "a-g1"], [3.0, 4.0])
+    buf.promote(make_groups("b", 2, rewards=[SPREAD] * 2, seed=2))  # a is used up: evicted
+    assert sorted(buf.state.l2_groups) == ["b-g0", "b-g1"] and buf.state.replays_done == 2
+    assert buf.restore_replays(checkpoint) == 2
+    assert _buf(buffer_url).refresh().replays_done == 0
