@@ -315,7 +315,7 @@ def finalize(run: RunDir, threads: int = 2) -> dict:
     summary.json (with "compaction" and "final_policy"). Idempotent. Returns the summary."""
     from .policy import PolicyStore
     from .summary import build_summary
-    from .tracking import log_evaluations
+    from .tracking import send_evaluations
 
     _check_over(run)
     store = PolicyStore(run)
@@ -326,13 +326,7 @@ def finalize(run: RunDir, threads: int = 2) -> dict:
         if str(v) not in evals:
             evals[str(v)] = evaluate_policy(run, v, threads)
             run.write_json("eval.json", evals)
-    # each at step v (version v is the policy after v steps); those an attempt that failed after
-    # its evaluations did not get to are sent by this one
-    tracked = set((run.read_json("eval_tracked.json", {}) or {}).get("versions", []))
-    untracked = {v: evals[str(v)] for v in sorted({0, latest}) if v not in tracked}
-    if untracked and run.config().tracking.backends:
-        log_evaluations(run, untracked)
-        run.write_json("eval_tracked.json", {"versions": sorted(tracked | set(untracked))})
+    send_evaluations(run, evals, sorted({0, latest}))  # each at step v: version v is the policy after v steps
     compaction = compact_buffer(run)
     log.info("buffer compaction into L3: %s", compaction)
     summary = build_summary(run, eval_before=evals["0"], eval_after=evals[str(latest)], policy_version=latest)

@@ -144,19 +144,36 @@ def open_tracker(run, cfg: RunConfig | None = None, *, resumed_step: int | None 
     return Trackers(opened)
 
 
-def log_evaluations(run, results: dict[int, dict]) -> None:
-    """Held-out evaluations {policy version: result}, as `eval/<key>` at step = version. A tracker
-    that cannot be reached costs a warning, not the run's finalize step."""
+def log_evaluations(run, results: dict[int, dict], backends: list[str] | None = None) -> bool:
+    """Held-out evaluations {policy version: result}, as `eval/<key>` at step = version, to the
+    `backends` given (default: the run's). A tracker that cannot be reached costs a warning, not
+    the run's finalize step. Returns whether every one of them took them all."""
     cfg = run.config()
+    if backends is not None:
+        cfg = cfg.model_copy(update={"tracking": cfg.tracking.model_copy(update={"backends": list(backends)})})
     if not cfg.tracking.backends or not results:
-        return
+        return True
     try:
         tracker = open_tracker(run, cfg)
     except Exception as e:
         log.warning("evaluations %s not sent to the trackers: %s: %s", sorted(results), type(e).__name__, e)
-        return
+        return False
     try:
         for version, result in sorted(results.items()):
             tracker.log({f"eval/{k}": v for k, v in scalars(result).items()}, step=int(version))
+        return len(getattr(tracker, "backends", ())) == len(cfg.tracking.backends)
     finally:
         tracker.close()
+
+
+def send_evaluations(run, evals: dict[str, dict], versions: list[int]) -> None:
+    """Send each tracker the evaluations of `versions` (eval.json's) it has not taken yet, as
+    `eval_tracked.json` records per backend: a finalize retried after an attempt that evaluated
+    and failed before sending, or whose tracker was down, sends them; none is sent twice."""
+    cfg = run.config()
+    sent = (run.read_json("eval_tracked.json", {}) or {}).get("sent", {})
+    for backend in cfg.tracking.backends:
+        todo = {v: evals[str(v)] for v in versions if v not in sent.get(backend, [])}
+        if todo and log_evaluations(run, todo, [backend]):
+            sent[backend] = sorted(set(sent.get(backend, [])) | set(todo))
+            run.write_json("eval_tracked.json", {"sent": sent})

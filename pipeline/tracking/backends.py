@@ -93,6 +93,11 @@ class MlflowTracker(Tracker):
             exp_id = exp.experiment_id
         key = run_key(run)
         found = client.search_runs([exp_id], filter_string=f"tags.`rlhf.run_key` = '{key}'", max_results=1)
+        if not found:  # a run begun before tracker runs had keys: its id and URL tags, and no key
+            found = [r for r in client.search_runs([exp_id], filter_string=f"tags.`rlhf.run_id` = '{run.run_id}'")
+                     if r.data.tags.get("rlhf.run_url") == run.url and "rlhf.run_key" not in r.data.tags][:1]
+            if found:
+                client.set_tag(found[0].info.run_id, "rlhf.run_key", key)
         if found:
             self.run_id = found[0].info.run_id
             client.update_run(self.run_id, status="RUNNING")

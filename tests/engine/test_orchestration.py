@@ -87,20 +87,29 @@ def test_finalize_verifies_the_final_policy_compacts_l1_into_l3_and_writes_the_s
     assert tiers(run)["l3"]["rows"] == rows
 
 
-def test_a_retried_finalize_sends_the_trackers_the_evaluations_an_earlier_attempt_did_not(tmp_path, monkeypatch):
-    """An attempt killed after it evaluated v0 (eval.json holds it) but before it logged it."""
+def test_a_retried_finalize_sends_each_tracker_the_evaluations_it_did_not_take(tmp_path, monkeypatch):
+    """An attempt killed after it evaluated v0 (eval.json holds it) but before it sent it; and a
+    tracker that is down at finalize: the next finalize sends them, and none twice."""
     import pipeline.tracking
 
-    run = orchestration.prepare(parse_config({**CONFIG, "tracking": {"backends": ["tensorboard"]}}),
+    run = orchestration.prepare(parse_config({**CONFIG, "tracking": {"backends": ["tensorboard", "mlflow"]}}),
                                 run_url=f"file://{tmp_path}/runs/r2")
     run.set_marker(RunDir.TRAINER_DONE_MARKER, {"step": 4})
     run.write_json("eval.json", {"0": {"score": 0.25}})
-    sent = []
-    monkeypatch.setattr(pipeline.tracking, "log_evaluations", lambda run, results: sent.append(dict(results)))
+    sent, down = [], {"mlflow"}
+
+    def log_evaluations(run, results, backends):
+        sent.append((backends[0], dict(results)))
+        return backends[0] not in down
+
+    monkeypatch.setattr(pipeline.tracking, "log_evaluations", log_evaluations)
     monkeypatch.setattr(orchestration, "evaluate_policy", lambda *a, **k: pytest.fail("evaluated again"))
     orchestration.finalize(run)
-    orchestration.finalize(run)  # and sent once
-    assert sent == [{0: {"score": 0.25}}]
+    down.clear()  # the MLflow server is back
+    orchestration.finalize(run)
+    orchestration.finalize(run)
+    assert sent == [("tensorboard", {0: {"score": 0.25}}), ("mlflow", {0: {"score": 0.25}}),
+                    ("mlflow", {0: {"score": 0.25}})]
 
 
 def test_finalize_refuses_a_final_policy_that_does_not_verify_before_any_work(run, monkeypatch):

@@ -203,3 +203,22 @@ def test_runs_that_share_a_run_id_get_their_own_mlflow_runs_and_artifacts_stay_b
     artifacts = MlflowClient(uri).get_run(ids[0]).info.artifact_uri
     assert artifacts.startswith(f"file://{tmp_path}/db/mlartifacts/")
     assert not (tmp_path / "mlruns").exists()
+
+
+def test_an_mlflow_run_begun_before_run_keys_is_found_again_by_its_id_and_url(tmp_path):
+    from mlflow.tracking import MlflowClient
+
+    from pipeline.tracking import open_tracker
+
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    run = RunDir(f"file://{tmp_path}/runs/exp1")
+    run.write_json("prepare.json", {"created": 1.0})
+    client = MlflowClient(uri)
+    exp = client.create_experiment("rlhf", artifact_location=f"file://{tmp_path}/artifacts")
+    old = client.create_run(exp, tags={"rlhf.run_id": "exp1", "rlhf.run_url": run.url}).info.run_id
+    cfg = parse_config({"run_id": "exp1", "tracking": {"backends": ["mlflow"], "mlflow_uri": uri,
+                                                      "dir": f"{tmp_path}/tracking"}})
+    tracker = open_tracker(run, cfg, resumed_step=3)
+    assert tracker.backends[0].run_id == old
+    tracker.close()
+    assert "rlhf.run_key" in client.get_run(old).data.tags
