@@ -203,9 +203,14 @@ def _binding(tree: ast.Module, name: str) -> ast.FunctionDef | bool:
     return found
 
 
+_DYNAMIC_BINDERS = {"globals", "locals", "vars", "exec", "eval", "setattr", "__import__"}
+
+
 def _may_bind(node: ast.AST, name: str) -> bool:
-    """Whether anything inside the statement `node` binds `name`."""
+    """Whether anything inside the statement `node` binds `name`, or may (`globals()`, `exec`...)."""
     for n in ast.walk(node):
+        if isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id in _DYNAMIC_BINDERS:
+            return True
         if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and n.name == name:
             return True
         if isinstance(n, ast.Name) and n.id == name and isinstance(n.ctx, ast.Store):

@@ -156,6 +156,8 @@ def test_a_reward_file_read_without_running_it_names_what_is_wrong(tmp_path, bod
     "def compute_score(solution_str, ground_truth):\n    return 0.0\ntry:\n    import json\n"
     "    def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n        return 0.0\n"
     "except ImportError:\n    pass\n",
+    "def compute_score(solution_str):\n    return 0.0\nfor n in ['compute_score']:\n"
+    "    globals()[n] = lambda **kw: 1.0\n",  # bound at run time
 ])
 def test_a_name_bound_otherwise_is_left_to_the_sampler(tmp_path, body):
     check_reward_spec(_user_fn(tmp_path, body))
