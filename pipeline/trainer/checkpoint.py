@@ -111,14 +111,16 @@ def _state(actor: ActorCritic, opt, sched, st: TrainerState) -> tuple[dict, dict
 
 
 def save_checkpoint(run: RunDir, actor: ActorCritic, opt, sched, st: TrainerState, tokenizer, world: World,
-                    kind: str = "periodic", keep: int = 2, buffer_version: int | None = None) -> Checkpoint:
+                    kind: str = "periodic", keep: int = 2, buffer_version: int | None = None,
+                    store: PolicyStore | None = None) -> Checkpoint:
     """Save `st.step`'s checkpoint (collective: every rank calls it). Idempotent for a complete one.
     `buffer_version`: the buffer log's version when it was taken (rank 0's), which a resume takes
-    the later replays back to (`ReplayBuffer.restore_replays`)."""
+    the later replays back to (`ReplayBuffer.restore_replays`). `store`: the caller's policy store,
+    which keeps v0's files between checkpoints."""
     state, _ = _state(actor, opt, sched, st)
     policy = actor.policy
     url = run.child_url("checkpoints", f"step_{st.step}")
-    store = PolicyStore(run)  # hf/ holds policy v0's files but weights, byte for byte: what versions carry
+    store = store or PolicyStore(run)  # hf/: policy v0's files but weights, byte for byte (fetched once a store)
     with tempfile.TemporaryDirectory(prefix="ckpt-hf-") as tmp:
         hf = store.base_meta()
         if hf is None:  # no v0 (a run not prepared): the metadata rendered from memory

@@ -302,7 +302,8 @@ class Trainer:
         self.lineage.flush()
         self.metrics.flush()
         ck = save_checkpoint(self.run, self.actor, self.opt, self.sched, self.state, self.tokenizer, self.world,
-                             kind=kind, keep=self.tc.keep_checkpoints, buffer_version=self.buffer.state.version)
+                             kind=kind, keep=self.tc.keep_checkpoints, buffer_version=self.buffer.state.version,
+                             store=self.store)
         if self.world.is_main:  # a restart now redoes nothing before it: compaction may archive up to it
             self._mark_resumable()
         return ck

@@ -34,7 +34,7 @@ from __future__ import annotations
 import codecs
 import io
 import os
-import select
+import selectors
 import subprocess
 import threading
 import time
@@ -214,6 +214,8 @@ class SupervisedProcessOperator(BaseOperator):
         or, once the process has exited, for `output_drain_s` at most: a process it started may
         hold the pipe open for good."""
         fd = proc.stdout.fileno()
+        ready = selectors.DefaultSelector()  # poll/epoll: any descriptor number (select() stops at 1024)
+        ready.register(fd, selectors.EVENT_READ)
         decoder = io.IncrementalNewlineDecoder(codecs.getincrementaldecoder("utf-8")("replace"), True)
         pending, deadline = "", None
         while True:
@@ -224,7 +226,7 @@ class SupervisedProcessOperator(BaseOperator):
                 self.log.warning("the process exited with code %s, but its output is still open %ss "
                                  "later: a process it started holds it", proc.returncode, self.output_drain_s)
                 break
-            if not select.select([fd], [], [], wait)[0]:
+            if not ready.select(wait):
                 continue
             chunk = os.read(fd, 65536)
             *lines, pending = (pending + decoder.decode(chunk, final=not chunk)).split("\n")
@@ -233,6 +235,7 @@ class SupervisedProcessOperator(BaseOperator):
                 self.handle_line(line)
             if not chunk:
                 break
+        ready.close()
         if pending:
             tail.append(pending)
             self.handle_line(pending)
