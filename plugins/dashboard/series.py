@@ -16,6 +16,7 @@ JSON-ready values; the page (`page.py`, `static/dashboard.js`) only draws them.
 from __future__ import annotations
 
 import threading
+from collections import OrderedDict
 
 MAX_POINTS = 500
 TRAINER_KEYS = ("reward/mean", "reward/std", "actor/loss", "actor/kl", "actor/behavior_shift", "actor/logprob_gap", "actor/clip_frac",
@@ -150,9 +151,12 @@ def version_summary(stored: list[int], latest: int | None, sync_every: int, samp
 
 
 class BufferHistory:
-    """Rows per tier after each commit of a buffer's log, kept per buffer URL between polls."""
+    """Rows per tier after each commit of a buffer's log, kept per buffer URL between polls (the
+    `MAX_RUNS` buffers viewed last; at most `MAX_KEPT` points each, thinned when it grows past)."""
 
-    _cache: dict[str, "BufferHistory"] = {}
+    MAX_RUNS = 16
+    MAX_KEPT = 8 * MAX_POINTS
+    _cache: "OrderedDict[str, BufferHistory]" = OrderedDict()
     _lock = threading.Lock()
 
     def __init__(self) -> None:
@@ -165,7 +169,11 @@ class BufferHistory:
     @classmethod
     def of(cls, url: str) -> "BufferHistory":
         with cls._lock:
-            return cls._cache.setdefault(url, cls())
+            history = cls._cache.pop(url, None) or cls()
+            cls._cache[url] = history
+            while len(cls._cache) > cls.MAX_RUNS:
+                cls._cache.popitem(last=False)
+            return history
 
     def update(self, log, max_entries: int = 20000) -> None:
         """Apply the entries of `log` (a `CommitLog`) committed since the last update."""
@@ -176,6 +184,8 @@ class BufferHistory:
         if self.next_version is None:
             present = log.entry_versions()
             self.next_version = present[0] if present else 1
+            if self.next_version > 1:  # the entries before it were vacuumed: start from a checkpoint
+                self._seed(log)
         for _ in range(max_entries):
             entry = log.read_entry(self.next_version)
             if entry is None:
@@ -186,11 +196,27 @@ class BufferHistory:
                 if op == "add":
                     self.shards[action.path] = (action.tier, action.rows)
                     self.rows[action.tier] += action.rows
-                elif op == "remove" and action.path in self.shards:
+                elif op in ("remove", "quarantine") and action.path in self.shards:
                     tier, rows = self.shards.pop(action.path)
                     self.rows[tier] -= rows
             if entry.time:
                 self.points.append([round(entry.time, 3), self.rows["l1"], self.rows["l2"], self.rows["l3"]])
+        if len(self.points) > self.MAX_KEPT:
+            self.points = self.points[:-1:2] + self.points[-1:]
+
+    def _seed(self, log) -> None:
+        """The shards of the first state checkpoint from which the entries that are left follow."""
+        usable = [c for c in log.checkpoint_versions() if c >= self.next_version - 1]
+        if not usable:
+            return
+        try:
+            state = log.read_checkpoint(min(usable))
+        except Exception:  # noqa: BLE001 - a chart without its start, not an error page
+            return
+        self.shards = {path: (info.tier, info.rows) for path, info in state.shards.items()}
+        for tier, rows in self.shards.values():
+            self.rows[tier] += rows
+        self.next_version = state.version + 1
 
     def series(self, limit: int = MAX_POINTS) -> dict:
         pts = self.points

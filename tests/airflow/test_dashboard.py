@@ -135,9 +135,51 @@ def test_buffer_history_replays_the_commit_log(tmp_path):
 
     entries = {1: NS(time=1.0, actions=(NS(op="add", path="a", tier="l1", rows=10),)),
                2: NS(time=2.0, actions=(NS(op="add", path="b", tier="l3", rows=10), NS(op="remove", path="a")))}
-    log = NS(entry_versions=lambda: [1, 2], read_entry=entries.get)
+    log = NS(entry_versions=lambda: [1, 2], read_entry=entries.get, checkpoint_versions=lambda: [])
     h = BufferHistory()
     h.update(log)
     entries[3] = NS(time=3.0, actions=(NS(op="add", path="c", tier="l2", rows=4),))
     h.update(log)  # reads only the new entry
     assert h.series() == {"t": [1.0, 2.0, 3.0], "l1": [10, 0, 0], "l2": [0, 0, 4], "l3": [0, 10, 10]}
+
+
+def test_buffer_history_after_a_vacuum_starts_from_the_checkpoint_and_keeps_its_size(tmp_path):
+    """Entries before a checkpoint are vacuumed: the chart counted from zero at the first entry
+    left, and ignored removals of shards it never saw added."""
+    import sys
+    from pathlib import Path
+
+    from pipeline.buffer import ReplayBuffer
+    from pipeline.buffer.logfiles import LOG_DIR, entry_name
+    from pipeline.config import BufferConfig
+    from plugins.dashboard.series import BufferHistory
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "buffer"))
+    from rollout_factory import make_groups
+
+    buf = ReplayBuffer(str(tmp_path / "buffer"), BufferConfig(checkpoint_interval=3))
+    with buf.writer("s") as w:
+        for i in range(5):
+            w.write(make_groups(f"s{i}", 2))
+    buf.refresh()
+    buf.log.write_checkpoint()
+    checkpoint = buf.state.version
+    for v in range(1, checkpoint + 1):  # as vacuum does past the log retention
+        (tmp_path / "buffer" / LOG_DIR / entry_name(v)).unlink(missing_ok=True)
+    with buf.writer("s") as w:
+        w.write(make_groups("s5", 2))
+    h = BufferHistory()
+    h.update(ReplayBuffer(str(tmp_path / "buffer")).log)
+    assert h.series()["l1"][-1] == ReplayBuffer(str(tmp_path / "buffer")).stats()["tiers"]["l1"]["rows"]
+    buf.compact(everything=True)  # removes L1 shards added before the entries left
+    h.update(ReplayBuffer(str(tmp_path / "buffer")).log)
+    stats = ReplayBuffer(str(tmp_path / "buffer")).stats()["tiers"]
+    assert h.series()["l1"][-1] == stats["l1"]["rows"] == 0
+    assert h.series()["l3"][-1] == stats["l3"]["rows"] > 0
+    BufferHistory.MAX_KEPT, kept = 10, BufferHistory.MAX_KEPT
+    try:
+        h.points = [[float(i), 0, 0, 0] for i in range(11)]
+        h.update(ReplayBuffer(str(tmp_path / "buffer")).log)
+        assert len(h.points) <= 10 and h.points[-1][0] == 10.0
+    finally:
+        BufferHistory.MAX_KEPT = kept
