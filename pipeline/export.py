@@ -26,9 +26,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import tempfile
-import uuid
-from contextlib import contextmanager
 from typing import Iterable, Iterator
 
 import pyarrow as pa
@@ -37,7 +34,7 @@ import pyarrow.parquet as pq
 
 from .config import ConfigError
 from .rundir import RunDir, url_is_under, validate_run_url
-from .storage import is_local, url_to_fs
+from .storage import is_local, staged_file, url_to_fs
 
 FORMATS = ("sft", "dpo", "parquet")
 LIGHT_COLUMNS = ("group_id", "prompt_id", "sample_id", "response_text", "reward", "policy_version", "data_source")
@@ -125,45 +122,12 @@ class _Sink:
         self.file = self.writer = None
 
 
-@contextmanager
-def _staged(fs, path: str) -> Iterator[str]:
-    """A local file to write the output into, published at `path` when the block succeeds and
-    removed either way: on local disk a hidden temporary in the same folder, fsynced and renamed
-    over `path`; on an object store a local temporary file uploaded (a PUT or multipart upload,
-    visible only once complete)."""
-    local = is_local(fs)
-    if local:
-        folder, name = os.path.split(path)
-        os.makedirs(folder or ".", exist_ok=True)
-        tmp = os.path.join(folder, f".{name}.tmp-{uuid.uuid4().hex}")
-    else:
-        fd, tmp = tempfile.mkstemp(prefix="rlhf-export-")
-        os.close(fd)
-    try:
-        yield tmp
-        if local:
-            fd = os.open(tmp, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-            os.replace(tmp, path)
-        else:
-            parent = path.rsplit("/", 1)[0]
-            if parent:
-                fs.makedirs(parent, exist_ok=True)
-            fs.put_file(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-
-
 def write_batches(batches: Iterable[pa.RecordBatch], fs, path: str, empty: str | None = None,
                   schema: pa.Schema | None = None) -> int:
     """Publish the batches at `path` atomically, written as they come: JSON lines for `.jsonl`, else
     zstd Parquet (in `schema`, default the first batch's). Returns the rows written. With no rows and
     `empty` given, raises ConfigError(empty) and publishes nothing."""
-    with _staged(fs, path) as tmp:
+    with staged_file(fs, path) as tmp:
         sink = _Sink(tmp, path.lower().endswith(".jsonl"), schema)
         try:
             for batch in batches:

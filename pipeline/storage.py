@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import os
 import re
+import tempfile
 import threading
 import uuid
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Iterator
 
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
@@ -99,6 +101,38 @@ def put_atomic(fs: fsspec.AbstractFileSystem, path: str, data: bytes, fsync: boo
         os.replace(tmp, path)
         return
     fs.pipe_file(path, data)
+
+
+@contextmanager
+def staged_file(fs: fsspec.AbstractFileSystem, path: str) -> Iterator[str]:
+    """A local file to write an output too large for `put_atomic`'s bytes into, published at `path`
+    when the block succeeds and removed either way: on local disk a `_local_tmp` beside it, fsynced
+    and renamed over `path`; on an object store a temporary file uploaded (one PUT or a multipart
+    upload, visible only once complete)."""
+    local = is_local(fs)
+    if local:
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        tmp = _local_tmp(path)
+    else:
+        fd, tmp = tempfile.mkstemp(prefix="rlhf-staged-")
+        os.close(fd)
+    try:
+        yield tmp
+        if local:
+            fd = os.open(tmp, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.replace(tmp, path)
+        else:
+            parent = path.rsplit("/", 1)[0]
+            if parent:
+                fs.makedirs(parent, exist_ok=True)
+            fs.put_file(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
 
 
 def put_if_absent(fs: fsspec.AbstractFileSystem, path: str, data: bytes, fsync: bool = True) -> bool:
