@@ -19,6 +19,7 @@ the whole stream, besides `replace` (a resumed trainer dropping the steps it red
 from __future__ import annotations
 
 import json
+import os
 import re
 import time
 
@@ -135,7 +136,10 @@ def _end_cut_line(path: str) -> None:
     end it, so that the next record starts a line of its own."""
     try:
         with open(path, "rb+") as f:
-            if f.seek(0, 2) and (f.seek(-1, 2), f.read(1))[1] != b"\n":
+            if f.seek(0, os.SEEK_END) == 0:
+                return
+            f.seek(-1, os.SEEK_END)
+            if f.read(1) != b"\n":
                 f.write(b"\n")
     except FileNotFoundError:
         pass
