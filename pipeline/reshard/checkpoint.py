@@ -32,6 +32,11 @@ from .layout import DCP_DIR, HF_META_DIR, META, MODEL_PREFIX, ReshardError, is_w
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
 
 
+# meta.json entries of a trainer checkpoint that a `dcp:N` copy of it keeps: its retention class,
+# and the buffer log version a resume from it takes later replays back to (trainer.checkpoint)
+CARRIED = ("kind", "buffer_version")
+
+
 def checkpoint_meta(step: int | None, world_size: int, policy_version: int | None, kind: str | None = None,
                     extra: dict | None = None) -> dict:
     """The content of meta.json. `kind` ("periodic" | "phase") is the trainer's retention class;

@@ -254,7 +254,7 @@ def _write(source, fs, root: str, fmt, arch: Architecture, header: dict, max_sha
     caller's `extra` keys and the files written). On any error the files written are removed."""
     specs = ordered(source.specs)
     step, version = header["step"], header["version"]
-    meta = checkpoint_meta(step, fmt.degree, version)
+    meta = checkpoint_meta(step, fmt.degree, version, source.carried.get("kind"), extra=source.carried)
     save_id = hashlib.sha256(f"{fmt}|{step}|{version}|{[(s.name, s.shape) for s in specs]}".encode()).hexdigest()[:32]
     pipe = HashPipe()
     sink = make_sink(fmt, fs, root, specs, arch, max_shard_bytes=max_shard_bytes, meta=meta, save_id=save_id, pipe=pipe)

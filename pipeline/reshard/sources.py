@@ -17,7 +17,7 @@ import torch
 
 from ..storage import is_local, list_names, read_bytes, url_to_fs
 from ..weights import HF_INDEX, HF_SINGLE
-from .checkpoint import read_meta
+from .checkpoint import CARRIED, read_meta
 from .dcp_io import DCPReader
 from .files import open_read, read_into
 from .layout import DCP_DIR, HF_META_DIR, MANIFEST, META, Format, ReshardError, TensorSpec, is_weight_file, parse_format
@@ -43,6 +43,7 @@ class Source:
     step: int | None = None
     policy_version: int | None = None
     copyable = False  # whether `locate` can find tensors' bytes in local files
+    carried: dict = {}  # a trainer checkpoint's own meta.json entries, kept by a `dcp:N` copy of it
 
     def __init__(self, fs, root: str, url: str):
         self.fs, self.root, self.url = fs, root, url
@@ -199,6 +200,7 @@ class DCPSource(Source):
             raise ReshardError(f"{root}/{DCP_DIR}: no 'model.*' entries; not a trainer checkpoint of model weights")
         self.format = Format("dcp", int(meta.get("world_size") or self.reader.world_size))
         self.step, self.policy_version = meta.get("step"), meta.get("policy_version")
+        self.carried = {k: meta[k] for k in CARRIED if k in meta}
 
     def read(self, name: str, out: torch.Tensor | None = None) -> torch.Tensor:
         return self.reader.read(name, out)

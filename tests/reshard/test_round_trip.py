@@ -70,3 +70,24 @@ def test_trainer_checkpoint_carries_its_step_and_policy_version_into_the_manifes
 
     with open(tmp_path / "dcp3" / "meta.json") as f:
         assert json.load(f) == {"step": 4, "world_size": 3, "policy_version": 9, "format": "dcp"}
+
+
+def test_a_dcp_copy_of_a_trainer_checkpoint_keeps_its_retention_class_and_buffer_version(tiny, tmp_path):
+    """A resume from `rlhf reshard --to dcp:N`'s copy takes the later replays back as from the original
+    (trainer.checkpoint.restore_replays reads buffer_version); other sources have none to give."""
+    import json
+
+    from pipeline.reshard import save_dcp
+
+    model, meta, _ = tiny
+    ckpt = str(tmp_path / "checkpoints" / "step_6")
+    save_dcp({"model": model.state_dict()}, ckpt, meta, step=6, world_size=1, policy_version=6, kind="phase",
+             extra={"buffer_version": 41})
+    reshard(ckpt, str(tmp_path / "dcp2"), to="dcp:2")
+    with open(tmp_path / "dcp2" / "meta.json") as f:
+        assert json.load(f) == {"step": 6, "world_size": 2, "policy_version": 6, "format": "dcp", "kind": "phase",
+                                "buffer_version": 41}
+    reshard(ckpt, str(tmp_path / "hf"), to="hf")
+    reshard(str(tmp_path / "hf"), str(tmp_path / "dcp1"), to="dcp:1")
+    with open(tmp_path / "dcp1" / "meta.json") as f:
+        assert json.load(f) == {"step": 6, "world_size": 1, "policy_version": 6, "format": "dcp"}
