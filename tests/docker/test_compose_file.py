@@ -6,6 +6,7 @@ anything starts; one worker per GPU, each reserving its own device; the UI passw
 written in the container that reads it; a models volume; secrets stay out of git and out of the
 engine's processes."""
 
+import os
 import re
 from pathlib import Path
 
@@ -108,7 +109,7 @@ def test_volumes_the_image_writes_are_handed_to_its_uid_before_anything_starts(c
     owners = [n for n, s in services.items() if one_shot(s) and str(s.get("user", "")).startswith("0")]
     assert owners, "no one-shot root service hands the volumes over"
     chowned = " ".join(command_text(services[n]) for n in owners)
-    assert f"chown -R {IMAGE_UID}" in chowned
+    assert f"chown -h {IMAGE_UID}:0" in chowned and f"chown {IMAGE_UID}:0" in chowned
     for name, svc in services.items():
         if not ours(svc) or name in owners:
             continue
@@ -178,3 +179,50 @@ def test_the_entrypoint_runs_the_commands_of_compose_and_of_the_helm_chart(tmp_p
     dockerfile = (DOCKER / "Dockerfile").read_text()
     assert 'ENTRYPOINT ["/usr/bin/tini", "--", "/entrypoint"]' in dockerfile and " tini " in dockerfile
     assert "/clean-logs" in dockerfile  # the log groomer's
+
+
+def test_the_image_installs_its_dependencies_before_it_copies_the_code():
+    """A change to the code, a DAG, a config or the README must not invalidate the layer that
+    installs torch and Airflow: only pyproject.toml and constraints.txt come before it."""
+    lines = [line.strip() for line in (DOCKER / "Dockerfile").read_text().splitlines()]
+    deps = next(i for i, line in enumerate(lines) if 'pip install -c constraints.txt ".[' in line)
+    copied = [line.split()[1:-1] for line in lines[:deps] if line.startswith("COPY ")]
+    assert copied == [["pyproject.toml", "constraints.txt"]], copied
+    later = [line for line in lines[deps:] if line.startswith("COPY ")]
+    for src in ("README.md", "pipeline", "plugins", "dags", "configs"):
+        assert any(line.split()[1] == src for line in later), src
+    assert lines.index("RUN pip install --no-deps --force-reinstall .") > max(lines.index(c) for c in later[:5])
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="chown to another uid needs root (the volumes-init service runs as root)")
+def test_volumes_init_hands_a_volume_over_once_and_redoes_an_interrupted_hand_over(tmp_path, services):
+    import subprocess
+
+    script = command_text(services["volumes-init"]).removeprefix("-c ").replace("$$", "$")
+    folders = ["/data/runs", "/data/prompts", "/data/cache", "/data/models", "/opt/airflow/logs"]
+    for f in folders:
+        assert f in script
+        (tmp_path / f.strip("/")).mkdir(parents=True)
+        script = script.replace(f, str(tmp_path / f.strip("/")))
+    runs = tmp_path / "data" / "runs"
+    (runs / "r1" / "buffer").mkdir(parents=True)
+    (runs / "r1" / "buffer" / "shard.parquet").write_bytes(b"x")
+    os.symlink("/etc/hostname", runs / "r1" / "link")
+
+    def hand_over():
+        subprocess.run(["bash", "-c", script], check=True, timeout=30)
+
+    def owner(p):
+        st = os.lstat(p)
+        return st.st_uid, st.st_gid
+
+    hand_over()
+    for p in [tmp_path / f.strip("/") for f in folders] + [runs / "r1", runs / "r1" / "buffer" / "shard.parquet"]:
+        assert owner(p) == (int(IMAGE_UID), 0), p
+    assert owner(runs / "r1" / "link") == (int(IMAGE_UID), 0) and owner("/etc/hostname")[0] != int(IMAGE_UID)  # not followed
+    os.chown(runs / "r1" / "buffer" / "shard.parquet", 123, 123)
+    hand_over()  # handed over: the folders are checked, their files not walked again
+    assert owner(runs / "r1" / "buffer" / "shard.parquet") == (123, 123)
+    os.chown(runs, 0, 0)  # an interrupted hand-over leaves the top folder to last
+    hand_over()
+    assert owner(runs / "r1" / "buffer" / "shard.parquet") == (int(IMAGE_UID), 0)
