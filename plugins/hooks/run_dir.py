@@ -125,13 +125,16 @@ class RunDirHook(BaseHook):
             return None
 
     # dashboard -------------------------------------------------------------------------------
-    def curves(self, stream: str) -> dict[str, list[list[float]]]:
-        """{metric: [[x, value], ...]} for the plotted keys of one metrics stream."""
+    def curves(self, stream: str, records: list[dict] | None = None) -> dict[str, list[list[float]]]:
+        """{metric: [[x, value], ...]} for the plotted keys of one metrics stream (`records`: the
+        stream, when the caller has read it already)."""
         kind = "sampler" if stream.startswith("sampler") else stream
         if kind not in CURVES:
             return {}
         x_key, y_keys = CURVES[kind]
-        records = [r for r in self.run.read_metrics(stream) if isinstance(r.get(x_key), (int, float))]
+        if records is None:
+            records = self.run.read_metrics(stream)
+        records = [r for r in records if isinstance(r.get(x_key), (int, float))]
         out: dict[str, list[list[float]]] = {}
         for key in y_keys:
             pts = [[r[x_key], r[key]] for r in records if isinstance(r.get(key), (int, float))]
@@ -171,15 +174,19 @@ class RunDirHook(BaseHook):
                         "eligible": (m or {}).get("eligible")})
         return out
 
-    def charts(self, phases: list[dict], versions: list[int], latest: int | None) -> dict:
+    def charts(self, phases: list[dict], versions: list[int], latest: int | None,
+               metrics: dict[str, list[dict]] | None = None) -> dict:
         """The dashboard's chart data (`plugins.dashboard.series`): streams as columns over step
         and wall time, staleness histogram, activity and overlap, phase and gate events, buffer
-        tiers over time, a compact summary of the policy versions."""
+        tiers over time, a compact summary of the policy versions. `metrics`: {stream: records},
+        when the caller has read them already."""
         from plugins.dashboard import series
 
         run = self.run
-        trainer = run.read_metrics("trainer")
-        samplers = {name: run.read_metrics(name) for name in self.streams() if name.startswith("sampler")}
+        if metrics is None:
+            metrics = {name: run.read_metrics(name) for name in self.streams()}
+        trainer = metrics.get("trainer", [])
+        samplers = {name: recs for name, recs in metrics.items() if name.startswith("sampler")}
         history = series.BufferHistory.of(run.buffer_url)
         try:
             history.update(self.buffer().log)
@@ -205,6 +212,7 @@ class RunDirHook(BaseHook):
         latest = policy.latest()
         versions = policy.versions()
         phases = self.phases()
+        metrics = {name: run.read_metrics(name) for name in self.streams()}  # each stream read once a poll
         return {
             "run_id": run.run_id,
             "run_url": run.url,
@@ -222,7 +230,7 @@ class RunDirHook(BaseHook):
             "policy": {"latest": latest, "versions": versions,
                        "manifest": policy.manifest(latest) if latest is not None else None},
             "buffer": self.buffer_stats(),
-            "curves": {**{name: self.curves(name) for name in self.streams()}, "eval": self.eval_curve()},
+            "curves": {**{name: self.curves(name, recs) for name, recs in metrics.items()}, "eval": self.eval_curve()},
             "summary": run.read_json("summary.json"),
-            "charts": self.charts(phases, versions, latest),
+            "charts": self.charts(phases, versions, latest, metrics),
         }

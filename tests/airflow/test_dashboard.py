@@ -118,6 +118,22 @@ def test_status_carries_the_chart_data_of_the_page(client, token, run):
     assert "state" in s  # the DAG run's state (None: this run is not in the metadata database)
 
 
+def test_a_status_poll_reads_each_metrics_stream_once(run, monkeypatch):
+    from collections import Counter
+
+    from plugins.hooks.run_dir import RunDirHook
+
+    sampler = run.metrics("sampler-0")
+    sampler.log({"sampler/batch": 1, "sampler/gen_tokens": 80, "time/start": 1.0, "time/end": 2.0})
+    sampler.flush()
+    reads, read = Counter(), RunDir.read_metrics
+    monkeypatch.setattr(RunDir, "read_metrics", lambda self, name: reads.update([name]) or read(self, name))
+    status = RunDirHook(run.url).status()
+    assert reads == {"trainer": 1, "sampler-0": 1}
+    assert status["curves"]["trainer"]["reward/mean"][-1] == [3, pytest.approx(0.3)]
+    assert status["charts"]["streams"]["sampler-0"]["x"] == [1]
+
+
 def test_long_streams_are_averaged_into_at_most_max_points():
     from plugins.dashboard.series import ranges, table
 
