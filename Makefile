@@ -87,7 +87,7 @@ gpu-check-cpu: $(VLLM_STAMP)
 	$(VLLM_VENV)/bin/python bench/gpu_check.py --cpu-smoke $(GPU_CHECK_ARGS)
 
 # Side by side with TRL's GRPOTrainer on this machine: the demo regime and a generation-heavy one,
-# one JSON line each (~15 min; PEER_ARGS=--smoke: ~2 min). TRL runs in its own environment,
+# one JSON line each (~22-25 min here; PEER_ARGS=--smoke: ~3 min). TRL runs in its own environment,
 # .venv-peer, built from requirements/peer.txt; this project's arm runs in .venv.
 PEER_VENV := .venv-peer
 PEER_STAMP := $(PEER_VENV)/.installed-stamp
@@ -104,7 +104,8 @@ peer: $(STAMP) $(PEER_STAMP)
 	$(BIN)/python bench/peer.py --peer-python $(PEER_VENV)/bin/python $(PEER_ARGS)
 
 # The demo with its run directory on local disk, then on an S3 endpoint (moto on 127.0.0.1); one
-# JSON line with both walls and their ratio. STORAGE_ARGS=--smoke: 40 steps each.
+# JSON line with both walls and their ratio, each arm twice in palindromic order (~5 min).
+# STORAGE_ARGS=--smoke: 40 steps, one run each.
 STORAGE_ARGS ?=
 storage-bench: $(STAMP)
 	$(BIN)/python bench/storage.py $(STORAGE_ARGS)

@@ -17,8 +17,12 @@ same curve; each is evaluated. The arms run on the same inputs:
   clocks start), prompts rendered with the tokenizer's chat template by both;
 - the same reward function (`pipeline.builtin_tasks`), batch shape (16 prompts x 8 completions
   per step, one optimizer step per batch), generation length, sampling temperature 1 (no top-k),
-  learning rate (5e-4, constant), no KL term, clip 0.2, token-mean loss, group-normalised
-  advantages;
+  learning rate (5e-4, constant), no KL term, token-mean loss, group-normalised advantages,
+  gradient clipping: `trl_settings` passes them from the regime's config to the TRL script, and
+  refuses a config with a setting TRL's arm has no counterpart for. The policy ratio is clipped at
+  0.2 in both, but it binds only in ours: TRL with one iteration per batch clips the ratio to its
+  own detached log-probs (always 1), ours to the sampler's behaviour policy, up to
+  `sampler.max_staleness` versions old (the algorithms as each really runs);
 - each arm in its fastest precision on this CPU. The generation-heavy config trains in bf16
   (`trainer.dtype`) and samples in float32. TRL's one model trains and generates in one dtype:
   float32 by default, `--peer-bf16` for `bf16=True` (autocast, float32 master weights, eager
@@ -98,7 +102,8 @@ def parse_args(argv=None):
     p.add_argument("--target", type=float, default=None, help="held-out score to reach (default: per regime)")
     p.add_argument("--smoke", action="store_true", help="a few steps per arm, 64 held-out prompts (~2 min)")
     p.add_argument("--peer-python", default=str(ROOT / ".venv-peer" / "bin" / "python"))
-    p.add_argument("--threads", type=int, default=2, help="cores per arm")
+    p.add_argument("--threads", type=int, default=2,
+                   help="TRL's torch threads (its one process); ours runs the config's sampler and trainer threads (1 + 1)")
     p.add_argument("--peer-bf16", action="store_true", help="TRL's arm in bf16 mixed precision (default: float32)")
     p.add_argument("--repeats", type=int, default=2,
                    help="runs per arm, in palindromic order (ours, trl, trl, ours): times to the target are their means")
@@ -149,7 +154,7 @@ def child_cpu_s() -> float:
     return r.ru_utime + r.ru_stime
 
 
-def run_ours(s: dict, run_dir: Path, threads: int, extra: tuple[str, ...] = ()) -> dict:
+def run_ours(s: dict, run_dir: Path, extra: tuple[str, ...] = ()) -> dict:
     """`rlhf run CONFIG` (and `extra` overrides) with its clock; returns step end times, sampler token times."""
     from pipeline.rundir import RunDir
 
@@ -173,13 +178,30 @@ def run_ours(s: dict, run_dir: Path, threads: int, extra: tuple[str, ...] = ()) 
             "load": os.getloadavg()[0]}
 
 
+def trl_settings(cfg) -> list[str]:
+    """The TRL script's arguments for the config's sampling and optimisation settings, so that both
+    arms run the same ones; SystemExit for a setting TRL's arm has no counterpart for."""
+    tc, sc = cfg.trainer, cfg.sampler
+    unlike = {"trainer.algorithm": (tc.algorithm, "grpo"), "trainer.loss_agg": (tc.loss_agg, "token-mean"),
+              "trainer.std_normalize": (tc.std_normalize, True), "trainer.update_epochs": (tc.update_epochs, 1),
+              "trainer.kl_estimator": (tc.kl_estimator if tc.kl_coef else "k3", "k3"),
+              "trainer.entropy_coef": (tc.entropy_coef, 0.0),
+              "trainer.warmup_steps": (tc.warmup_steps, 0)}  # HF's warmup starts at 0, ours at lr / warmup
+    for key, (have, trl) in unlike.items():
+        if have != trl:
+            raise SystemExit(f"{key}={have!r}: TRL's arm runs only {trl!r}")
+    return ["--temperature", repr(sc.temperature), "--top-p", repr(sc.top_p), "--clip-eps", repr(tc.clip_eps),
+            "--beta", repr(tc.kl_coef), "--max-grad-norm", repr(tc.max_grad_norm), "--weight-decay", repr(tc.weight_decay)]
+
+
 def run_trl(s: dict, model: str, train: str, out: Path, peer_python: str, threads: int, bf16: bool = False) -> dict:
     cfg = s["cfg"]
     argv = [peer_python, str(ROOT / "bench" / "peer_trl.py"), "--model", model, "--train", train,
             "--reward", cfg.reward.fn, "--out", str(out), "--steps", str(s["steps"]),
             "--save-every", str(s["eval_every"]), "--max-new-tokens", str(cfg.sampler.max_new_tokens),
             "--lr", str(cfg.trainer.lr), "--prompts-per-step", str(cfg.trainer.groups_per_step),
-            "--group-size", str(cfg.sampler.group_size), "--threads", str(threads), "--seed", str(cfg.seed)]
+            "--group-size", str(cfg.sampler.group_size), "--threads", str(threads), "--seed", str(cfg.seed),
+            *trl_settings(cfg)]
     if bf16:
         argv.append("--bf16")
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads), HF_HUB_OFFLINE="1",
@@ -301,7 +323,7 @@ def run_regime(name: str, args, work: Path) -> dict:
         if arm == "trl":
             r = run_trl(s, src["model"], src["train"], out, args.peer_python, args.threads, args.peer_bf16)
         else:
-            r = run_ours(s, out, args.threads, replay_overrides(s) if arm == "replay" else ())
+            r = run_ours(s, out, replay_overrides(s) if arm == "replay" else ())
         runs[arm].append((r, out))
     ev = Evaluator(s["cfg"], str(runs["ours"][0][1] / "data" / "eval.parquet"), args.threads)
     try:

@@ -38,6 +38,13 @@ def parse_args(argv=None):
     p.add_argument("--prompts-per-step", type=int, default=16)
     p.add_argument("--group-size", type=int, default=8)
     p.add_argument("--threads", type=int, default=2)
+    # the run config's settings (bench/peer.py trl_settings passes them)
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--clip-eps", type=float, default=0.2)
+    p.add_argument("--beta", type=float, default=0.0, help="KL coefficient (k3 estimator, as TRL computes it)")
+    p.add_argument("--max-grad-norm", type=float, default=1.0)
+    p.add_argument("--weight-decay", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--bf16", action="store_true", help="bf16 mixed precision (autocast), eager attention")
     return p.parse_args(argv)
@@ -110,9 +117,9 @@ def main(argv=None) -> int:
     cfg = GRPOConfig(
         output_dir=str(out / "trl"), per_device_train_batch_size=n, gradient_accumulation_steps=1,
         num_generations=a.group_size, max_completion_length=a.max_new_tokens, learning_rate=a.lr,
-        lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0, beta=0.0,
-        epsilon=0.2, loss_type="dapo", scale_rewards="group", num_iterations=1, temperature=1.0, top_k=0,
-        top_p=1.0, use_vllm=False, use_cpu=True, bf16=a.bf16, gradient_checkpointing=False, report_to="none",
+        lr_scheduler_type="constant", warmup_steps=0, weight_decay=a.weight_decay, max_grad_norm=a.max_grad_norm, beta=a.beta, epsilon=a.clip_eps,
+        loss_type="dapo", scale_rewards="group", num_iterations=1, temperature=a.temperature, top_k=0,
+        top_p=a.top_p, use_vllm=False, use_cpu=True, bf16=a.bf16, gradient_checkpointing=False, report_to="none",
         save_strategy="no", logging_steps=10_000, disable_tqdm=True, max_steps=a.steps, seed=a.seed,
         dataloader_num_workers=0,
     )

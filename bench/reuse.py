@@ -27,7 +27,9 @@ curve that replay makes bumpier), so only a median over several says anything. K
 (`seeds`: one object each) reuse_rate_off / reuse_rate_on = samples trained (fresh + replayed) /
 samples generated (a replay counts the rows it trained on); gen_tokens_to_target_off / _on = generated tokens when the first evaluated
 version reaches the target (null if never); tokens_ratio_on_off; target; the evaluated curves and
-wall times. Over the seeds: `median_*` of the token counts, of the ratio and of the walls, and `spread_*` [min, max].
+wall times. Over the seeds: `median_*` of the token counts, of the ratio and of the walls, and `spread_*` [min, max],
+where a seed that never reached the target counts as the worst (null where it decides a median or a spread's end;
+`missing_*` counts such seeds).
 Goal: reuse_rate_on >= 2 and median gen_tokens_to_target_on <= 0.7 x median _off.
 
     .venv/bin/python bench/reuse.py [--seeds 5] [--first-seed 0] [--steps 60] [--eval-every 5] [--replay-every 1]
@@ -38,6 +40,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import os
 import shutil
 import statistics
@@ -136,13 +139,19 @@ def main() -> None:
     line = {"seeds": seeds, "steps": args.steps, "replay_every": args.replay_every}
     for key in ("gen_tokens_to_target_off", "gen_tokens_to_target_on", "tokens_ratio_on_off", "reuse_rate_on",
                 "wall_s_off", "wall_s_on"):
-        values = sorted(s[key] for s in seeds if s[key] is not None)
-        line[f"median_{key}"] = statistics.median(values) if values else None
-        line[f"spread_{key}"] = [values[0], values[-1]] if values else None
-        line[f"missing_{key}"] = len(seeds) - len(values)  # seeds where the target was never reached
+        # a seed that never reached the target counts as the worst value, not as no seed: its median
+        # and its spread's end are null ("never") where such seeds decide them
+        values = sorted(math.inf if s[key] is None else s[key] for s in seeds)
+        line[f"median_{key}"] = finite(statistics.median(values)) if values else None
+        line[f"spread_{key}"] = [finite(values[0]), finite(values[-1])] if values else None
+        line[f"missing_{key}"] = sum(s[key] is None for s in seeds)  # seeds where the target was never reached
     off_m, on_m = line["median_gen_tokens_to_target_off"], line["median_gen_tokens_to_target_on"]
     line["median_tokens_on_over_median_off"] = round(on_m / off_m, 3) if off_m and on_m else None
     print(json.dumps(line))
+
+
+def finite(x: float) -> float | None:
+    return None if math.isinf(x) else x
 
 
 def one_seed(args, seed: int, off: list[str], on: list[str], prefix: str) -> dict:
