@@ -9,7 +9,9 @@ never both take `cuda:0`. Evaluation and finalize run after the trainer, on its 
 
 With a single accelerator both must share it: the sampler is then told the share of its memory
 it may take (`RLHF_GPU_MEMORY_FRACTION`, which the vLLM backend passes as
-`gpu_memory_utilization` unless the config sets that itself). On a CPU-only machine nothing is set.
+`gpu_memory_utilization` unless the config sets that itself). Sampler replicas that take the
+sampling accelerators in turn (more replicas than accelerators) are told theirs likewise: vLLM's
+default share split between the replicas on one accelerator. On a CPU-only machine nothing is set.
 
 Where each task gets accelerators of its own (a Celery worker per GPU, a Kubernetes pod with its
 own `nvidia.com/gpu` limit), the deployment sets `RLHF_DEDICATED_DEVICES=1`: a process then takes
@@ -27,6 +29,7 @@ from typing import Mapping
 DEVICE_POOL = "rlhf_devices"
 ROLE_DEVICES = {"sampler": "sampler", "trainer": "trainer", "finalize": "trainer", "eval": "trainer"}
 MEMORY_FRACTION_ENV = "RLHF_GPU_MEMORY_FRACTION"
+SAMPLING_MEMORY_SHARE = 0.9  # vLLM's default gpu_memory_utilization: what replicas on one sampling GPU split
 DEDICATED_ENV = "RLHF_DEDICATED_DEVICES"
 _DRIVER_PATHS = ("/proc/driver/nvidia", "/dev/nvidiactl", "/dev/kfd")  # NVIDIA's driver, AMD's (ROCm)
 
@@ -78,8 +81,12 @@ def role_environment(role: str, devices_cfg, env: Mapping[str, str] | None = Non
     if ROLE_DEVICES[role] == "sampler" and replicas > 1:
         mine = replica_slice(mine, replica, replicas)
     out = {"CUDA_VISIBLE_DEVICES": ",".join(mine)}
-    if len(ids) == 1 and ROLE_DEVICES[role] == "sampler":
+    sampling = split["sampler"]
+    if ROLE_DEVICES[role] == "sampler" and len(ids) == 1:
         out[MEMORY_FRACTION_ENV] = f"{devices_cfg.sampler_share / replicas:.3f}"
+    elif ROLE_DEVICES[role] == "sampler" and replicas > len(sampling):  # replica_slice: one in turn
+        sharing = len(range(replica % len(sampling), replicas, len(sampling)))  # replicas on this one
+        out[MEMORY_FRACTION_ENV] = f"{SAMPLING_MEMORY_SHARE / sharing:.3f}"
     return out
 
 
@@ -93,13 +100,20 @@ def replica_slice(ids: list[str], replica: int, replicas: int) -> list[str]:
 
 def trainer_ranks(devices_cfg, nproc_per_node: int, env: Mapping[str, str] | None = None) -> int:
     """Trainer processes on this machine: one per trainer accelerator when there are any and
-    the config leaves `trainer.nproc_per_node` at 1; otherwise the config's count."""
+    the config leaves `trainer.nproc_per_node` at 1; otherwise the config's count, which must not
+    exceed the trainer's accelerators (a rank takes one of its own: `cuda:LOCAL_RANK`)."""
     ids = visible_devices(env, devices_cfg.count)
-    if nproc_per_node > 1 or not ids:
+    if not ids:
         return nproc_per_node
-    if dedicated(env):
-        return len(ids)
-    return len(split_devices(ids, devices_cfg.sampler_share)["trainer"])
+    mine = ids if dedicated(env) else split_devices(ids, devices_cfg.sampler_share)["trainer"]
+    if nproc_per_node > len(mine):
+        from .config_yaml import ConfigError
+
+        raise ConfigError(f"trainer.nproc_per_node={nproc_per_node}: the trainer has {len(mine)} accelerator(s) on "
+                          f"this machine (CUDA_VISIBLE_DEVICES {','.join(mine)}; devices.sampler_share "
+                          f"{devices_cfg.sampler_share} of {len(ids)}), and each rank takes one of its own: set it to "
+                          f"at most {len(mine)} (1: one rank per accelerator)")
+    return nproc_per_node if nproc_per_node > 1 else len(mine)
 
 
 def engine_loaded() -> None:

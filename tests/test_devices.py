@@ -36,6 +36,39 @@ def test_dedicated_devices_are_not_split_nor_shared_by_role():
     assert trainer_ranks(cfg, 1, {**two, "RLHF_DEDICATED_DEVICES": "0"}) == 1  # shared: the trainer's part of the split
 
 
+def test_replicas_that_share_a_sampling_device_split_its_memory():
+    """More replicas than sampling accelerators take them in turn; each is told its part of vLLM's
+    default share (two engines at 0.9 each on one GPU: the second fails for memory)."""
+    cfg = DevicesConfig(sampler_share=0.5)
+    four = {"CUDA_VISIBLE_DEVICES": "0,1,2,3"}  # sampling: 0,1; training: 2,3
+
+    def env_of(replica, replicas, env=four):
+        return role_environment("sampler", cfg, env, replica=replica, replicas=replicas)
+
+    assert [env_of(i, 3) for i in range(3)] == [
+        {"CUDA_VISIBLE_DEVICES": "0", MEMORY_FRACTION_ENV: "0.450"},
+        {"CUDA_VISIBLE_DEVICES": "1", MEMORY_FRACTION_ENV: "0.900"},
+        {"CUDA_VISIBLE_DEVICES": "0", MEMORY_FRACTION_ENV: "0.450"}]
+    assert [env_of(i, 2) for i in range(2)] == [{"CUDA_VISIBLE_DEVICES": "0"}, {"CUDA_VISIBLE_DEVICES": "1"}]
+    two = {"CUDA_VISIBLE_DEVICES": "0,1"}  # sampling: 0; training: 1
+    assert {env_of(i, 2, two)[MEMORY_FRACTION_ENV] for i in range(2)} == {"0.450"}
+    assert env_of(0, 1, two) == {"CUDA_VISIBLE_DEVICES": "0"}
+
+
+def test_more_trainer_ranks_than_trainer_devices_is_a_config_error():
+    from pipeline.config import ConfigError
+
+    cfg = DevicesConfig(sampler_share=0.5)
+    four, one = {"CUDA_VISIBLE_DEVICES": "0,1,2,3"}, {"CUDA_VISIBLE_DEVICES": "0"}
+    assert trainer_ranks(cfg, 2, four) == 2 and trainer_ranks(cfg, 1, four) == 2
+    with pytest.raises(ConfigError, match=r"nproc_per_node=3: the trainer has 2 accelerator\(s\).*2,3.*at most 2"):
+        trainer_ranks(cfg, 3, four)
+    with pytest.raises(ConfigError, match="at most 1"):  # one GPU shared with the sampler
+        trainer_ranks(cfg, 2, one)
+    assert trainer_ranks(cfg, 4, {**four, "RLHF_DEDICATED_DEVICES": "1"}) == 4
+    assert trainer_ranks(DevicesConfig(count=0), 8, {}) == 8  # CPU ranks: as many as asked
+
+
 def test_a_cpu_only_machine_sets_nothing():
     assert role_environment("trainer", DevicesConfig(count=0), {}) == {}
     assert trainer_ranks(DevicesConfig(count=0), 1, {}) == 1

@@ -67,6 +67,10 @@ def init_world() -> World:
     local = int(os.environ.get("LOCAL_RANK", "0"))
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", local) if cuda else torch.device("cpu")
+    if cuda and local >= torch.cuda.device_count():
+        raise RuntimeError(f"trainer rank {rank}: LOCAL_RANK {local}, but this process sees {torch.cuda.device_count()} "
+                           f"GPU(s) (CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}); start at "
+                           "most one trainer process per GPU (trainer.nproc_per_node, torchrun --nproc-per-node)")
     if cuda:
         torch.cuda.set_device(device)
     if size <= 1:
