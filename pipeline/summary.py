@@ -72,6 +72,14 @@ def sampler_streams(run: RunDir) -> list[str]:
     return [n for n in run.metric_streams() if n.startswith("sampler")]
 
 
+def _dropped_samples(sampler: list[dict]) -> int:
+    """Samples generated in the draws a replica's writer refused (past sampler.max_staleness where
+    they would have landed: `dropped_stale` events), counted in samples_generated too. Draw
+    numbers are the run's (claimed once, `pipeline.sampler.claims`)."""
+    made = {r["sampler/draw"]: r.get("sampler/samples", 0) for r in sampler if "sampler/draw" in r}
+    return sum(made.get(r["sampler/dropped_draw"], 0) for r in sampler if r.get("event") == "dropped_stale")
+
+
 def build_summary(run: RunDir, eval_before: dict, eval_after: dict, policy_version: int) -> dict:
     trainer = [r for r in run.read_metrics("trainer") if "step" in r]
     fresh = [r for r in trainer if not r.get("replay/is_replay")]  # replayed groups are older by design
@@ -94,6 +102,7 @@ def build_summary(run: RunDir, eval_before: dict, eval_after: dict, policy_versi
         "reward_last": round(fresh[-1]["reward/mean"], 4) if fresh else None,
         "steps": trainer[-1]["step"] if trainer else 0,
         "samples_generated": sum(r["sampler/samples"] for r in gen),
+        "samples_dropped_stale": _dropped_samples(sampler),
         "samples_trained": sum(r["trainer/samples"] for r in trainer),
         "generated_tokens": sum(r["sampler/gen_tokens"] for r in gen),
         "trained_tokens": sum(r["trainer/response_tokens"] for r in trainer),

@@ -55,6 +55,11 @@ def test_three_sampler_replicas_share_the_work_and_a_slow_one_holds_back_no_othe
         assert set(dropped) <= made and len(dropped) == len(set(dropped)), (sid, dropped)
         assert committed[sid] == (len(made) - len(dropped)) * cfg.sampler.prompts_per_batch, \
             (sid, sorted(made), dropped, committed, p.stderr[-4000:])
+    # summary.json counts what the dropped batches held, within what was generated
+    dropped_rows = sum(len([r for r in streams[sid] if r.get("event") == "dropped_stale"]) for sid in streams) \
+        * cfg.sampler.prompts_per_batch * cfg.sampler.group_size
+    assert summary["samples_dropped_stale"] == dropped_rows <= summary["samples_generated"]
+    assert summary["samples_generated"] - dropped_rows == sum(committed.values()) * cfg.sampler.group_size
     # The fast replicas made the batches the slow one could not.
     assert len(batches["sampler-2"]) < min(len(batches["sampler-0"]), len(batches["sampler-1"])), batches
     assert committed["sampler-0"] > 0 and committed["sampler-1"] > 0
