@@ -47,7 +47,7 @@ from .critic import ActorCritic, ValueHead
 from .distributed import World, init_world, shard
 from .feed import ConsumedMarks, FreshFeed, GaveWay, ReplayPace, TrainerStopped, agreed, wait_for_gate
 from .phases import mark_closed_phases, phase_end_steps, replay_epoch_steps
-from .publish import BackgroundPublisher, publish_policy
+from .publish import BackgroundPublisher, publish_policy, replaces
 from .precision import DTYPES, Precision
 from .step import replay_config, replayable, train_step
 
@@ -332,7 +332,7 @@ class Trainer:
         log.info("trainer: %d steps of %d groups, algorithm %s, %d phase(s), %d replay epoch(s), world size %d",
                  tc.steps, tc.groups_per_step, tc.algorithm, tc.phases, tc.replay_epochs, world.size)
         ok = False
-        publisher = BackgroundPublisher(self.store, tc, replace=not self.cfg.sampler.fixed_lag) if world.is_main else None
+        publisher = BackgroundPublisher(self.store, tc, replace=replaces(self.cfg.sampler)) if world.is_main else None
         try:
             if st.step and world.is_main:
                 mark_closed_phases(run, tc, st.step)

@@ -9,7 +9,7 @@ publishes with `defer`, so a version goes up to the run directory only when a re
 about once a second, and `flush`es those waiting once it has been idle REMOTE_POLL_S and at its
 end; `pipeline.policy_upload`). A version that is
 still waiting when a newer one comes is replaced by it (samplers load the newest anyway), unless
-the sampler runs on a fixed lag (`sampler.fixed_lag`: it loads a given version), when the trainer waits
+the sampler runs on a fixed lag (`sampler.fixed_lag` with one replica: it loads a given version), when the trainer waits
 for the thread to take the one queued instead; a failed
 publication fails the trainer at its next publication or at its end. The checkpoint closing a phase becomes `policy/v<step>` through
 `PolicyStore.publish_checkpoint` (cast to the serving dtype too), which the orchestrator calls (the
@@ -73,6 +73,12 @@ def full_state_dict(model, world: World) -> dict:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def replaces(sampler_cfg) -> bool:
+    """Whether a newer version may replace one still waiting: the samplers load the newest, unless
+    one replica alone runs on a fixed lag (several replicas ignore `sampler.fixed_lag`)."""
+    return not (sampler_cfg.fixed_lag and sampler_cfg.replicas == 1)
 
 
 class BackgroundPublisher:

@@ -140,3 +140,12 @@ def test_in_one_process_the_thread_gets_a_copy_of_every_weight(tmp_path):
         model[0].weight.add_(1.0)
         model[1].bias.add_(1.0)
     assert all(torch.equal(cap.weights[k], before[k]) for k in before)
+
+
+def test_versions_wait_their_turn_only_for_one_replica_on_a_fixed_lag():
+    from pipeline.config import SamplerConfig
+    from pipeline.trainer.publish import replaces
+
+    assert replaces(SamplerConfig(fixed_lag=False, replicas=1))
+    assert not replaces(SamplerConfig(fixed_lag=True, replicas=1))
+    assert replaces(SamplerConfig(fixed_lag=True, replicas=2))  # several replicas load the newest anyway
