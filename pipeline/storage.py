@@ -138,7 +138,13 @@ def staged_file(fs: fsspec.AbstractFileSystem, path: str) -> Iterator[str]:
 def put_if_absent(fs: fsspec.AbstractFileSystem, path: str, data: bytes, fsync: bool = True) -> bool:
     """Create `path` with `data` only if it does not exist. Returns False if it already existed.
     `fsync=False` keeps exclusivity and atomicity against killed processes, not against a
-    machine crash (local disk)."""
+    machine crash (local disk).
+
+    A create retried after its reply was lost (a connection reset after the store applied it,
+    which botocore retries; an NFS link whose reply was lost) meets its own write: that is a
+    success, told from another writer's by the object's bytes (callers' payloads are unique per
+    attempt: a claim's time, a log entry's transaction, a metrics chunk's records; where two
+    writers' bytes are equal, so is what either would have made) or, locally, by the link count."""
     if is_local(fs):
         tmp = _local_tmp(path)
         write_local(tmp, data, fsync)
@@ -146,7 +152,7 @@ def put_if_absent(fs: fsspec.AbstractFileSystem, path: str, data: bytes, fsync: 
             os.link(tmp, path)  # atomic and exclusive, also on NFS
             return True
         except FileExistsError:
-            return False
+            return os.stat(tmp).st_nlink == 2  # the link is ours (NFS: a retried link)
         finally:
             os.unlink(tmp)
     if isinstance(fs, MemoryFileSystem):
@@ -164,12 +170,20 @@ def put_if_absent(fs: fsspec.AbstractFileSystem, path: str, data: bytes, fsync: 
             return True
         except (FileExistsError, OSError, ValueError) as e:
             if isinstance(e, FileExistsError) or _is_precondition_failure(e):
-                return False
+                return _holds(fs, path, data)  # 412: another writer's, or our own lost reply's
             raise
     raise NotImplementedError(
         f"create-only writes are not implemented for protocol {_protocol(fs)!r}; "
         "use a local/NFS path, s3://, gs:// or memory://"
     )
+
+
+def _holds(fs, path: str, data: bytes) -> bool:
+    """Whether the object at `path` holds `data` (False if it is gone)."""
+    try:
+        return read_bytes(fs, path) == data
+    except FileNotFoundError:
+        return False
 
 
 def _is_precondition_failure(e: BaseException) -> bool:

@@ -92,3 +92,31 @@ def test_s3_clients_skip_botocore_checksums_under_the_users_own_settings(monkeyp
     assert fs.config_kwargs["request_checksum_calculation"] == "when_required"
     local, _ = url_to_fs("file:///tmp")
     assert not hasattr(local, "config_kwargs")
+
+
+def test_a_create_retried_after_its_reply_was_lost_is_a_success(base_url, monkeypatch):
+    """botocore retries a create whose connection reset after S3 stored it, and the retry meets
+    412: the writer's own object, not another writer's (a sampler took its own claim for another
+    replica's and skipped draws; a metrics chunk was written twice)."""
+    import os
+
+    fs, root = url_to_fs(base_url)
+    if base_url.startswith("/"):
+        link = os.link
+
+        def lost_reply(src, dst):  # the link is made, its reply lost, the retry finds it
+            link(src, dst)
+            raise FileExistsError(dst)
+
+        monkeypatch.setattr(os, "link", lost_reply)
+    else:
+        pipe = fs.pipe_file  # s3fs sets its sync methods on the instance
+
+        def lost_reply(path, data, **kwargs):  # stored, then the retry sees the object
+            pipe(path, data, **kwargs)
+            return pipe(path, data, **kwargs)
+
+        monkeypatch.setattr(fs, "pipe_file", lost_reply)
+    assert put_if_absent(fs, f"{root}/lost/0001.json", b"mine")
+    assert not put_if_absent(fs, f"{root}/lost/0001.json", b"someone else's")
+    assert fs.cat_file(f"{root}/lost/0001.json") == b"mine"
