@@ -145,21 +145,42 @@ def run_local(cfg: RunConfig, run_url: str | None = None, progress: bool = True,
         for p in _processes(procs):  # what a child left running in its group (an engine's workers)
             _terminate(p, grace_s=0.0)
         if rc != 0 or src != 0:
-            raise RunFailed(f"trainer exited with {rc}, sampler with {src}; see the output above and {run.url}/metrics")
+            raise RunFailed(f"trainer exited with {rc}, sampler with {src}; see the output above and {run.url}/metrics; "
+                            "the same command resumes the run from its last checkpoint once the cause is fixed")
     except BaseException as e:
-        # Ctrl-C or a failure: ask both processes to stop at their next poll, then make sure (before
-        # the run is prepared, they are only waiting for it: stopped at once, nothing written).
-        if prepared and not run.has_marker(RunDir.STOP_MARKER):  # a user's stop stays (see above)
-            run.request_stop(f"interrupted by {e.signum.name}" if isinstance(e, StopSignal) else
-                             "interrupted" if isinstance(e, KeyboardInterrupt) else f"runner failed: {e}", by="runner")
-        deadline = time.monotonic() + (15 if prepared else 0)
-        for p in _processes(procs):
-            _terminate(p, grace_s=max(0.0, deadline - time.monotonic()))
+        _stop_engines(run if prepared else None, procs, e)
+        if isinstance(e, OSError):  # the run directory's storage (or the model's) failed
+            log.debug("storage failure", exc_info=True)
+            raise RunFailed(f"{run.url}: storage failed ({type(e).__name__}: {e}); the engines are stopped. "
+                            + ("The same command resumes the run from its last checkpoint" if prepared else
+                               "Nothing ran; the same command tries again")) from e
         raise
     summary = orchestration.finalize(run)
     summary["total_s"] = round(time.time() - t_start, 2)
     run.write_json("summary.json", summary)
     return summary
+
+
+def _stop_engines(run: RunDir | None, procs: dict, e: BaseException) -> None:
+    """Ctrl-C or a failure `e`: ask the engines to stop at their next poll, then make sure. Before
+    the run is prepared (`run` None) they only wait for it: stopped at once, nothing written."""
+    marked = run is not None and _request_stop(run, e)
+    deadline = time.monotonic() + (15 if marked else 0)  # without the marker, signals at once
+    for p in _processes(procs):
+        _terminate(p, grace_s=max(0.0, deadline - time.monotonic()))
+
+
+def _request_stop(run: RunDir, e: BaseException) -> bool:
+    """Write the runner's stop marker for `e` (a user's stop stays); False if the storage failed
+    (the failure being stopped for, often): the engines are then left to the signals that follow."""
+    try:
+        if not run.has_marker(RunDir.STOP_MARKER):
+            run.request_stop(f"interrupted by {e.signum.name}" if isinstance(e, StopSignal) else
+                             "interrupted" if isinstance(e, KeyboardInterrupt) else f"runner failed: {e}", by="runner")
+        return True
+    except Exception as err:
+        log.warning("could not write the stop marker to %s (%s); stopping the engines by signal", run.url, err)
+        return False
 
 
 def _engines(run: RunDir, cfg: RunConfig, extra_args=()) -> dict:

@@ -248,3 +248,40 @@ def test_a_users_stop_ends_the_run_in_one_line_and_stays_for_the_next_rerun(tmp_
     assert p.returncode == 1 and "Traceback" not in p.stderr
     assert "error: the trainer stopped before its last step (stopped from a notebook)" in p.stderr
     assert RunDir(run_dir).marker("stop")["by"] == "alice"  # not replaced by the runner's own stop
+
+
+STORAGE_DOWN = """
+import sys, time
+from pipeline import cli, progress
+from pipeline.rundir import RunDir
+
+def down(*args, **kwargs):
+    raise OSError(5, "storage down")
+
+def follow(run, procs, **kwargs):  # the storage fails once the trainer has taken a step
+    while not [r for r in run.read_metrics("trainer") if "step" in r]:
+        time.sleep(0.2)
+    RunDir.has_marker = RunDir.request_stop = down
+    down()
+
+progress.follow = follow
+sys.exit(cli.main(sys.argv[1:]))
+"""
+
+
+def test_a_storage_failure_stops_the_engines_and_says_how_to_resume(tmp_path, spawn):
+    """The runner's stop marker cannot be written when its storage has failed: the engines are
+    stopped by signal all the same, and the error is one line naming the storage and the rerun."""
+    run_dir = f"file://{tmp_path}/runs/down"
+    p = spawn.run([sys.executable, "-c", STORAGE_DOWN, "run", "configs/tiny-test.yaml", "--run-dir", run_dir,
+                   "--no-progress", "--set", "trainer.steps=200"], capture_output=True, text=True, timeout=300,
+                  env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert p.returncode == 1, p.stderr[-3000:]
+    last = p.stderr.strip().splitlines()[-1]
+    assert last == (f"error: {run_dir}: storage failed (OSError: [Errno 5] storage down); the engines are stopped. "
+                    "The same command resumes the run from its last checkpoint"), p.stderr[-3000:]
+    assert "could not write the stop marker" in p.stderr
+    engines = [q for q in psutil.process_iter(["cmdline"]) if run_dir in " ".join(q.info["cmdline"] or [])]
+    assert not engines, engines
+    steps = [r["step"] for r in RunDir(run_dir).read_metrics("trainer") if "step" in r]
+    assert 1 <= len(steps) < 200 and not RunDir(run_dir).has_marker(RunDir.TRAINER_DONE_MARKER)
