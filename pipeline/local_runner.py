@@ -21,6 +21,7 @@ from .processes import RunFailed, group_alive, stop_group
 from .rundir import RunDir, new_run_id, run_url_for
 from .sampler.claims import replica_ids
 from .signals import StopSignal, default_stop_signals
+from .storage import is_storage_error
 
 log = logging.getLogger("rlhf.runner")
 
@@ -118,10 +119,10 @@ def run_local(cfg: RunConfig, run_url: str | None = None, progress: bool = True,
     run = RunDir(run_url or run_url_for(runs_root, cfg.run_id or new_run_id()))
     # A new run: the engines start now and load their libraries while the run is prepared (they
     # wait for its last write); a run that exists (a resume) is prepared first.
-    early = not run.exists()
     procs: dict[str, subprocess.Popen] = {}
     prepared = False
     try:
+        early = not run.exists()
         if early:
             procs = _engines(run, cfg, ("--after-prepare",))
         run = orchestration.prepare(cfg, run.url)
@@ -149,7 +150,7 @@ def run_local(cfg: RunConfig, run_url: str | None = None, progress: bool = True,
                             "the same command resumes the run from its last checkpoint once the cause is fixed")
     except BaseException as e:
         _stop_engines(run if prepared else None, procs, e)
-        if isinstance(e, OSError):  # the run directory's storage (or the model's) failed
+        if is_storage_error(e):  # the run directory's storage (or the model's) failed
             log.debug("storage failure", exc_info=True)
             raise RunFailed(f"{run.url}: storage failed ({type(e).__name__}: {e}); the engines are stopped. "
                             + ("The same command resumes the run from its last checkpoint" if prepared else

@@ -178,6 +178,16 @@ def put_if_absent(fs: fsspec.AbstractFileSystem, path: str, data: bytes, fsync: 
     )
 
 
+# the client libraries of object stores whose errors are not all OSErrors (botocore's
+# EndpointConnectionError, when the endpoint cannot be reached, is not)
+_STORE_CLIENTS = ("botocore", "aiobotocore", "s3fs", "gcsfs", "google.", "aiohttp", "adlfs", "azure.")
+
+
+def is_storage_error(e: BaseException) -> bool:
+    """Whether `e` comes from storage: an OSError, or an error of an object store's client."""
+    return isinstance(e, OSError) or any(type(e).__module__.startswith(m) for m in _STORE_CLIENTS)
+
+
 def _holds(fs, path: str, data: bytes) -> bool:
     """Whether the object at `path` holds `data` (False if it is gone)."""
     try:

@@ -120,3 +120,13 @@ def test_a_create_retried_after_its_reply_was_lost_is_a_success(base_url, monkey
     assert put_if_absent(fs, f"{root}/lost/0001.json", b"mine")
     assert not put_if_absent(fs, f"{root}/lost/0001.json", b"someone else's")
     assert fs.cat_file(f"{root}/lost/0001.json") == b"mine"
+
+
+def test_errors_of_object_store_clients_count_as_storage_errors():
+    from botocore.exceptions import EndpointConnectionError
+
+    from pipeline.storage import is_storage_error
+
+    assert is_storage_error(EndpointConnectionError(endpoint_url="http://127.0.0.1:9/bucket"))
+    assert is_storage_error(OSError(5, "I/O error")) and is_storage_error(FileNotFoundError("x"))
+    assert not is_storage_error(ValueError("a bug")) and not is_storage_error(KeyboardInterrupt())

@@ -285,3 +285,12 @@ def test_a_storage_failure_stops_the_engines_and_says_how_to_resume(tmp_path, sp
     assert not engines, engines
     steps = [r["step"] for r in RunDir(run_dir).read_metrics("trainer") if "step" in r]
     assert 1 <= len(steps) < 200 and not RunDir(run_dir).has_marker(RunDir.TRAINER_DONE_MARKER)
+
+
+def test_an_unreachable_object_store_is_one_line_not_a_traceback(tmp_path, spawn):
+    env = {"FSSPEC_S3_ENDPOINT_URL": "http://127.0.0.1:9", "AWS_ACCESS_KEY_ID": "x", "AWS_SECRET_ACCESS_KEY": "x"}
+    p = spawn.run([sys.executable, "-m", "pipeline", "run", "configs/tiny-test.yaml", "--run-dir", "s3://bucket/r1",
+                   "--no-progress"], capture_output=True, text=True, timeout=120, env=dict(os.environ, **env))
+    assert p.returncode == 1 and "Traceback" not in p.stderr, p.stderr[-3000:]
+    assert p.stderr.strip().splitlines()[-1].startswith(
+        "error: s3://bucket/r1: storage failed (EndpointConnectionError: Could not connect to the endpoint URL"), p.stderr
