@@ -213,7 +213,7 @@ class RunDir:
         config = config.model_copy(update={"run_id": self.run_id})
         text = config.to_yaml().encode()
         self.check_creatable()
-        if put_if_absent(self.fs, self.path("config.yaml"), text):
+        if put_if_absent(self.fs, self.path("config.yaml"), text, own_check=False):  # compared below
             return True
         import yaml
 

@@ -4,11 +4,13 @@
   temporary file in the same folder, then rename; object stores: a single PUT is atomic).
 - `put_if_absent`: create-only; exactly one of several concurrent writers of the same path wins
   (local/NFS: hard-link of a complete temporary file; S3: `If-None-Match: *`; GCS: generation
-  match 0; memory: a process-local lock).
+  match 0; memory: a process-local lock); a writer whose create was applied but whose reply was
+  lost finds its own bytes there and wins too.
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 import tempfile
@@ -135,16 +137,20 @@ def staged_file(fs: fsspec.AbstractFileSystem, path: str) -> Iterator[str]:
             os.unlink(tmp)
 
 
-def put_if_absent(fs: fsspec.AbstractFileSystem, path: str, data: bytes, fsync: bool = True) -> bool:
+def put_if_absent(fs: fsspec.AbstractFileSystem, path: str, data: bytes, fsync: bool = True,
+                  own_check: bool = True) -> bool:
     """Create `path` with `data` only if it does not exist. Returns False if it already existed.
     `fsync=False` keeps exclusivity and atomicity against killed processes, not against a
     machine crash (local disk).
 
     A create retried after its reply was lost (a connection reset after the store applied it,
-    which botocore retries; an NFS link whose reply was lost) meets its own write: that is a
-    success, told from another writer's by the object's bytes (callers' payloads are unique per
-    attempt: a claim's time, a log entry's transaction, a metrics chunk's records; where two
-    writers' bytes are equal, so is what either would have made) or, locally, by the link count."""
+    which botocore retries; an NFS link whose reply was lost) meets its own write: with
+    `own_check`, that is a success, told from another writer's by the object's bytes (one GET
+    after a 412: callers' payloads are unique per attempt, a claim's time, a metrics chunk's
+    records; where two writers' bytes are equal, so is what either would have made) or, locally,
+    by the link count. Callers that recover from a lost reply their own way (the buffer log's
+    transaction ids; adds that may be repeated) or whose content is the same for every writer
+    pass `own_check=False`: a lost race then costs no read."""
     if is_local(fs):
         tmp = _local_tmp(path)
         write_local(tmp, data, fsync)
@@ -152,7 +158,7 @@ def put_if_absent(fs: fsspec.AbstractFileSystem, path: str, data: bytes, fsync: 
             os.link(tmp, path)  # atomic and exclusive, also on NFS
             return True
         except FileExistsError:
-            return os.stat(tmp).st_nlink == 2  # the link is ours (NFS: a retried link)
+            return own_check and os.stat(tmp).st_nlink == 2  # the link is ours (NFS: a retried link)
         finally:
             os.unlink(tmp)
     if isinstance(fs, MemoryFileSystem):
@@ -170,7 +176,7 @@ def put_if_absent(fs: fsspec.AbstractFileSystem, path: str, data: bytes, fsync: 
             return True
         except (FileExistsError, OSError, ValueError) as e:
             if isinstance(e, FileExistsError) or _is_precondition_failure(e):
-                return _holds(fs, path, data)  # 412: another writer's, or our own lost reply's
+                return own_check and _holds(fs, path, data)  # 412: another writer's, or our own lost reply's
             raise
     raise NotImplementedError(
         f"create-only writes are not implemented for protocol {_protocol(fs)!r}; "

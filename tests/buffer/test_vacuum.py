@@ -156,12 +156,12 @@ def test_s3_style_lost_ack_is_not_a_second_commit(buffer_url):
     real = log_mod.put_if_absent
     lose_next = {"on": True}
 
-    def lost_ack(*args):
+    def lost_ack(*args, **kwargs):
         if lose_next["on"]:
             lose_next["on"] = False
-            real(*args)
+            real(*args, **kwargs)
             return False  # looks like someone else won
-        return real(*args)
+        return real(*args, **kwargs)
 
     log_mod.put_if_absent = lost_ack
     try:
