@@ -150,25 +150,43 @@ def run_local(cfg: RunConfig, run_url: str | None = None, progress: bool = True,
                             "the same command resumes the run from its last checkpoint once the cause is fixed")
     except BaseException as e:
         _stop_engines(run if prepared else None, procs, e)
-        if is_storage_error(e):  # the run directory's storage (or the model's) failed
-            log.debug("storage failure", exc_info=True)
-            raise RunFailed(f"{run.url}: storage failed ({type(e).__name__}: {e}); the engines are stopped. "
-                            + ("The same command resumes the run from its last checkpoint" if prepared else
-                               "Nothing ran; the same command tries again")) from e
+        if is_storage_error(e):
+            raise _storage_failed(run, e, "the engines are stopped. " + (
+                "The same command resumes the run from its last checkpoint" if prepared else
+                "Nothing ran; the same command tries again")) from e
         raise
-    summary = orchestration.finalize(run)
-    summary["total_s"] = round(time.time() - t_start, 2)
-    run.write_json("summary.json", summary)
+    return _finalize(run, t_start)
+
+
+def _finalize(run: RunDir, t_start: float) -> dict:
+    """finalize, then summary.json with the command's time (`total_s`)."""
+    try:
+        summary = orchestration.finalize(run)
+        summary["total_s"] = round(time.time() - t_start, 2)
+        run.write_json("summary.json", summary)
+    except Exception as e:
+        if is_storage_error(e):
+            raise _storage_failed(run, e, "training is done; the same command finalizes the run") from e
+        raise
     return summary
+
+
+def _storage_failed(run: RunDir, e: BaseException, then: str) -> RunFailed:
+    """The one line `rlhf run` ends with when storage failed (its traceback at debug level, -v)."""
+    log.debug("storage failure", exc_info=e)
+    return RunFailed(f"{run.url}: storage failed ({type(e).__name__}: {e}); {then}")
 
 
 def _stop_engines(run: RunDir | None, procs: dict, e: BaseException) -> None:
     """Ctrl-C or a failure `e`: ask the engines to stop at their next poll, then make sure. Before
     the run is prepared (`run` None) they only wait for it: stopped at once, nothing written."""
-    marked = run is not None and _request_stop(run, e)
-    deadline = time.monotonic() + (15 if marked else 0)  # without the marker, signals at once
-    for p in _processes(procs):
-        _terminate(p, grace_s=max(0.0, deadline - time.monotonic()))
+    marked = False
+    try:
+        marked = run is not None and _request_stop(run, e)
+    finally:  # a second Ctrl-C while the marker is written still stops them, at once
+        deadline = time.monotonic() + (15 if marked else 0)  # without the marker, signals at once
+        for p in _processes(procs):
+            _terminate(p, grace_s=max(0.0, deadline - time.monotonic()))
 
 
 def _request_stop(run: RunDir, e: BaseException) -> bool:

@@ -187,11 +187,20 @@ def put_if_absent(fs: fsspec.AbstractFileSystem, path: str, data: bytes, fsync: 
 # the client libraries of object stores whose errors are not all OSErrors (botocore's
 # EndpointConnectionError, when the endpoint cannot be reached, is not)
 _STORE_CLIENTS = ("botocore", "aiobotocore", "s3fs", "gcsfs", "google.", "aiohttp", "adlfs", "azure.")
+# what a disk, a network filesystem or an object store (as s3fs translates its answers: 503
+# SlowDown is EBUSY, 403 EACCES) fails with; not ENOENT, which the project's own code raises for
+# states of a run, nor an errno-less OSError such as a TimeoutError of its own
+_STORAGE_ERRNOS = {errno.EIO, errno.EBUSY, errno.ETIMEDOUT, errno.ECONNRESET, errno.ECONNREFUSED, errno.ECONNABORTED,
+                   errno.EHOSTUNREACH, errno.ENETUNREACH, errno.ENETDOWN, errno.EPIPE, errno.ENOSPC, errno.EDQUOT,
+                   errno.EROFS, errno.ESTALE, errno.EACCES, errno.EPERM}
 
 
 def is_storage_error(e: BaseException) -> bool:
-    """Whether `e` comes from storage: an OSError, or an error of an object store's client."""
-    return isinstance(e, OSError) or any(type(e).__module__.startswith(m) for m in _STORE_CLIENTS)
+    """Whether `e` is storage failing: an object store client's error, or an OSError whose errno
+    is one storage fails with."""
+    if any(type(e).__module__.startswith(m) for m in _STORE_CLIENTS):
+        return True
+    return isinstance(e, OSError) and e.errno in _STORAGE_ERRNOS
 
 
 def _holds(fs, path: str, data: bytes) -> bool:

@@ -130,5 +130,8 @@ def test_errors_of_object_store_clients_count_as_storage_errors():
     from pipeline.storage import is_storage_error
 
     assert is_storage_error(EndpointConnectionError(endpoint_url="http://127.0.0.1:9/bucket"))
-    assert is_storage_error(OSError(5, "I/O error")) and is_storage_error(FileNotFoundError("x"))
+    assert is_storage_error(OSError(5, "I/O error")) and is_storage_error(OSError(16, "Service Unavailable"))
+    assert is_storage_error(ConnectionResetError(104, "reset")) and is_storage_error(PermissionError(13, "denied"))
+    assert not is_storage_error(FileNotFoundError(2, "policy version 7 is not published"))
+    assert not is_storage_error(TimeoutError("a wait of the project's own")) and not is_storage_error(OSError(12, "ENOMEM"))
     assert not is_storage_error(ValueError("a bug")) and not is_storage_error(KeyboardInterrupt())
