@@ -106,14 +106,18 @@ def trainer_ranks(devices_cfg, nproc_per_node: int, env: Mapping[str, str] | Non
     if not ids:
         return nproc_per_node
     mine = ids if dedicated(env) else split_devices(ids, devices_cfg.sampler_share)["trainer"]
-    if nproc_per_node > len(mine):
+    if nproc_per_node == 1:
+        return len(mine)
+    # CUDA_VISIBLE_DEVICES set on a machine without a GPU driver (a CPU job of a cluster
+    # scheduler): the ranks run on CPU, as many as asked
+    if nproc_per_node > len(mine) and any(os.path.exists(p) for p in _DRIVER_PATHS):
         from .config_yaml import ConfigError
 
         raise ConfigError(f"trainer.nproc_per_node={nproc_per_node}: the trainer has {len(mine)} accelerator(s) on "
-                          f"this machine (CUDA_VISIBLE_DEVICES {','.join(mine)}; devices.sampler_share "
-                          f"{devices_cfg.sampler_share} of {len(ids)}), and each rank takes one of its own: set it to "
-                          f"at most {len(mine)} (1: one rank per accelerator)")
-    return nproc_per_node if nproc_per_node > 1 else len(mine)
+                          f"this machine (ids {','.join(mine)}: devices.sampler_share {devices_cfg.sampler_share} "
+                          f"of {len(ids)} visible), and each rank takes one of its own: set it to at most "
+                          f"{len(mine)} (1: one rank per accelerator)")
+    return nproc_per_node
 
 
 def engine_loaded() -> None:

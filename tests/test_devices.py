@@ -55,18 +55,23 @@ def test_replicas_that_share_a_sampling_device_split_its_memory():
     assert env_of(0, 1, two) == {"CUDA_VISIBLE_DEVICES": "0"}
 
 
-def test_more_trainer_ranks_than_trainer_devices_is_a_config_error():
+def test_more_trainer_ranks_than_trainer_devices_is_a_config_error(monkeypatch):
+    from pipeline import devices
     from pipeline.config import ConfigError
 
     cfg = DevicesConfig(sampler_share=0.5)
     four, one = {"CUDA_VISIBLE_DEVICES": "0,1,2,3"}, {"CUDA_VISIBLE_DEVICES": "0"}
+    monkeypatch.setattr(devices, "_DRIVER_PATHS", ("/",))  # a machine with a GPU driver
     assert trainer_ranks(cfg, 2, four) == 2 and trainer_ranks(cfg, 1, four) == 2
-    with pytest.raises(ConfigError, match=r"nproc_per_node=3: the trainer has 2 accelerator\(s\).*2,3.*at most 2"):
+    with pytest.raises(ConfigError, match=r"nproc_per_node=3: the trainer has 2 accelerator\(s\).*ids 2,3.*at most 2"):
         trainer_ranks(cfg, 3, four)
     with pytest.raises(ConfigError, match="at most 1"):  # one GPU shared with the sampler
         trainer_ranks(cfg, 2, one)
     assert trainer_ranks(cfg, 4, {**four, "RLHF_DEDICATED_DEVICES": "1"}) == 4
     assert trainer_ranks(DevicesConfig(count=0), 8, {}) == 8  # CPU ranks: as many as asked
+    # CUDA_VISIBLE_DEVICES set by a scheduler on a machine without a GPU driver: CPU ranks, as before
+    monkeypatch.setattr(devices, "_DRIVER_PATHS", ("/no/such/driver",))
+    assert trainer_ranks(cfg, 4, one) == 4
 
 
 def test_a_cpu_only_machine_sets_nothing():
@@ -119,6 +124,22 @@ def test_airflow_operators_give_each_role_its_devices(monkeypatch, tmp_path):
     assert seen == {"sampler": "4,5", "trainer": "6,7", "finalize": "6,7"}
     trainer = RlhfProcessOperator(task_id="t", role="trainer", run_url=run.url).build_command({})
     assert "--nproc-per-node=2" in trainer
+
+
+def test_airflow_sampler_replicas_on_one_worker_get_their_slice_and_memory_share(monkeypatch, tmp_path):
+    """The mapped sampler tasks of `sampler.replicas` on one machine (LocalExecutor) split the
+    sampling GPUs as the local runner's replicas do."""
+    from pipeline.rundir import RunDir
+    from plugins.operators import RlhfProcessOperator
+
+    run = RunDir(f"file://{tmp_path}/r3")
+    run.create(parse_config({"devices": {"sampler_share": 0.5}, "sampler": {"replicas": 3}}))
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2,3")
+    envs = [RlhfProcessOperator(task_id=f"s{i}", role="sampler", run_url=run.url, replica=i).process_environment({})
+            for i in range(3)]
+    assert envs == [{"CUDA_VISIBLE_DEVICES": "0", MEMORY_FRACTION_ENV: "0.450"},
+                    {"CUDA_VISIBLE_DEVICES": "1", MEMORY_FRACTION_ENV: "0.900"},
+                    {"CUDA_VISIBLE_DEVICES": "0", MEMORY_FRACTION_ENV: "0.450"}]
 
 
 def test_an_engine_loads_with_the_collector_off_then_freezes_what_it_loaded(tmp_path):

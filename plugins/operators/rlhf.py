@@ -151,7 +151,9 @@ class RlhfProcessOperator(SupervisedProcessOperator):
         from pipeline.devices import role_environment
         from pipeline.rundir import RunDir
 
-        env = role_environment(self.role, RunDir(self.run_url).config().devices, os.environ)
+        cfg = RunDir(self.run_url).config()
+        replica = {"replica": self.replica, "replicas": cfg.sampler.replicas} if self.replica is not None else {}
+        env = role_environment(self.role, cfg.devices, os.environ, **replica)
         if env:
             self.log.info("%s devices: %s", self.role, env)
         dag_run = context.get("dag_run")
