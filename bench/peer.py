@@ -126,6 +126,7 @@ def regime_settings(name: str, args) -> dict:
     if args.seed is not None:
         s["seed"] = args.seed
     s["cfg"] = load_config(str(ROOT / s["config"]), overrides(s, args.eval_size))
+    trl_settings(s["cfg"])  # a setting TRL's arm cannot run ends the bench before any arm runs
     return s
 
 
@@ -186,12 +187,13 @@ def trl_settings(cfg) -> list[str]:
               "trainer.std_normalize": (tc.std_normalize, True), "trainer.update_epochs": (tc.update_epochs, 1),
               "trainer.kl_estimator": (tc.kl_estimator if tc.kl_coef else "k3", "k3"),
               "trainer.entropy_coef": (tc.entropy_coef, 0.0),
-              "trainer.warmup_steps": (tc.warmup_steps, 0)}  # HF's warmup starts at 0, ours at lr / warmup
+              "trainer.warmup_steps": (tc.warmup_steps, 0),  # HF's warmup starts at 0, ours at lr / warmup
+              "trainer.weight_decay": (tc.weight_decay, 0.0)}  # HF's decay skips biases and norms, ours does not
     for key, (have, trl) in unlike.items():
         if have != trl:
             raise SystemExit(f"{key}={have!r}: TRL's arm runs only {trl!r}")
     return ["--temperature", repr(sc.temperature), "--top-p", repr(sc.top_p), "--clip-eps", repr(tc.clip_eps),
-            "--beta", repr(tc.kl_coef), "--max-grad-norm", repr(tc.max_grad_norm), "--weight-decay", repr(tc.weight_decay)]
+            "--beta", repr(tc.kl_coef), "--max-grad-norm", repr(tc.max_grad_norm)]
 
 
 def run_trl(s: dict, model: str, train: str, out: Path, peer_python: str, threads: int, bf16: bool = False) -> dict:

@@ -44,7 +44,6 @@ def parse_args(argv=None):
     p.add_argument("--clip-eps", type=float, default=0.2)
     p.add_argument("--beta", type=float, default=0.0, help="KL coefficient (k3 estimator, as TRL computes it)")
     p.add_argument("--max-grad-norm", type=float, default=1.0)
-    p.add_argument("--weight-decay", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--bf16", action="store_true", help="bf16 mixed precision (autocast), eager attention")
     return p.parse_args(argv)
@@ -117,8 +116,8 @@ def main(argv=None) -> int:
     cfg = GRPOConfig(
         output_dir=str(out / "trl"), per_device_train_batch_size=n, gradient_accumulation_steps=1,
         num_generations=a.group_size, max_completion_length=a.max_new_tokens, learning_rate=a.lr,
-        lr_scheduler_type="constant", warmup_steps=0, weight_decay=a.weight_decay, max_grad_norm=a.max_grad_norm, beta=a.beta, epsilon=a.clip_eps,
-        loss_type="dapo", scale_rewards="group", num_iterations=1, temperature=a.temperature, top_k=0,
+        lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, max_grad_norm=a.max_grad_norm, beta=a.beta,
+        epsilon=a.clip_eps, loss_type="dapo", scale_rewards="group", num_iterations=1, temperature=a.temperature, top_k=0,
         top_p=a.top_p, use_vllm=False, use_cpu=True, bf16=a.bf16, gradient_checkpointing=False, report_to="none",
         save_strategy="no", logging_steps=10_000, disable_tqdm=True, max_steps=a.steps, seed=a.seed,
         dataloader_num_workers=0,
