@@ -47,13 +47,18 @@ def visible_devices(env: Mapping[str, str] | None = None, count: int | None = No
         ids = [x.strip() for x in listed.split(",") if x.strip() and x.strip() != "-1"]
     elif count is not None:
         ids = [str(i) for i in range(count)]
-    elif not any(os.path.exists(p) for p in _DRIVER_PATHS):
+    elif not _gpu_driver():
         ids = []  # no GPU driver on this machine: nothing to count, and no torch import to count it
     else:
         import torch
 
         ids = [str(i) for i in range(torch.cuda.device_count())]
     return ids if count is None else ids[:count]
+
+
+def _gpu_driver() -> bool:
+    """Whether this machine has a GPU driver (no torch import to ask it)."""
+    return any(os.path.exists(p) for p in _DRIVER_PATHS)
 
 
 def split_devices(ids: list[str], sampler_share: float) -> dict[str, list[str]]:
@@ -85,7 +90,7 @@ def role_environment(role: str, devices_cfg, env: Mapping[str, str] | None = Non
     if ROLE_DEVICES[role] == "sampler" and len(ids) == 1:
         out[MEMORY_FRACTION_ENV] = f"{devices_cfg.sampler_share / replicas:.3f}"
     elif ROLE_DEVICES[role] == "sampler" and replicas > len(sampling):  # replica_slice: one in turn
-        sharing = len(range(replica % len(sampling), replicas, len(sampling)))  # replicas on this one
+        sharing = sum(replica_slice(sampling, r, replicas) == mine for r in range(replicas))  # on this one
         out[MEMORY_FRACTION_ENV] = f"{SAMPLING_MEMORY_SHARE / sharing:.3f}"
     return out
 
@@ -110,7 +115,7 @@ def trainer_ranks(devices_cfg, nproc_per_node: int, env: Mapping[str, str] | Non
         return len(mine)
     # CUDA_VISIBLE_DEVICES set on a machine without a GPU driver (a CPU job of a cluster
     # scheduler): the ranks run on CPU, as many as asked
-    if nproc_per_node > len(mine) and any(os.path.exists(p) for p in _DRIVER_PATHS):
+    if nproc_per_node > len(mine) and _gpu_driver():
         from .config_yaml import ConfigError
 
         raise ConfigError(f"trainer.nproc_per_node={nproc_per_node}: the trainer has {len(mine)} accelerator(s) on "
