@@ -125,15 +125,12 @@ class RunDirHook(BaseHook):
             return None
 
     # dashboard -------------------------------------------------------------------------------
-    def curves(self, stream: str, records: list[dict] | None = None) -> dict[str, list[list[float]]]:
-        """{metric: [[x, value], ...]} for the plotted keys of one metrics stream (`records`: the
-        stream, when the caller has read it already)."""
+    def curves(self, stream: str, records: list[dict]) -> dict[str, list[list[float]]]:
+        """{metric: [[x, value], ...]} for the plotted keys of one metrics stream (its `records`)."""
         kind = "sampler" if stream.startswith("sampler") else stream
         if kind not in CURVES:
             return {}
         x_key, y_keys = CURVES[kind]
-        if records is None:
-            records = self.run.read_metrics(stream)
         records = [r for r in records if isinstance(r.get(x_key), (int, float))]
         out: dict[str, list[list[float]]] = {}
         for key in y_keys:
@@ -175,16 +172,13 @@ class RunDirHook(BaseHook):
         return out
 
     def charts(self, phases: list[dict], versions: list[int], latest: int | None,
-               metrics: dict[str, list[dict]] | None = None) -> dict:
+               metrics: dict[str, list[dict]]) -> dict:
         """The dashboard's chart data (`plugins.dashboard.series`): streams as columns over step
         and wall time, staleness histogram, activity and overlap, phase and gate events, buffer
-        tiers over time, a compact summary of the policy versions. `metrics`: {stream: records},
-        when the caller has read them already."""
+        tiers over time, a compact summary of the policy versions. `metrics`: {stream: records}."""
         from plugins.dashboard import series
 
         run = self.run
-        if metrics is None:
-            metrics = {name: run.read_metrics(name) for name in self.streams()}
         trainer = metrics.get("trainer", [])
         samplers = {name: recs for name, recs in metrics.items() if name.startswith("sampler")}
         history = series.BufferHistory.of(run.buffer_url)
