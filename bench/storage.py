@@ -67,12 +67,9 @@ def rlhf_run(config: str, run_dir: str, sets: list[str]) -> dict:
     return out
 
 
-def mean(values: list) -> float | None:
-    return round(sum(values) / len(values), 2) if values and None not in values else None
-
-
 def main(argv=None) -> int:
     args = parse_args(argv)
+    from peer import arm_order, mean  # the palindromic order and the means of bench/peer.py
     from s3_endpoint import moto_s3
 
     steps = 40 if args.smoke and args.steps is None else args.steps
@@ -84,7 +81,7 @@ def main(argv=None) -> int:
 
     resolve_sources(load_config(config, sets))  # the built-in model and prompts, before either clock
     subprocess.run([sys.executable, "-c", IMPORTS], cwd=ROOT, check=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
-    order = [a for r in range(repeats) for a in (("local", "s3") if r % 2 == 0 else ("s3", "local"))]
+    order = arm_order(["local", "s3"], repeats)
     runs: dict[str, list[dict]] = {"local": [], "s3": []}
     with tempfile.TemporaryDirectory(prefix="rlhf-storage-") as tmp, moto_s3("rlhf-bench") as bucket:
         for arm in order:
