@@ -5,7 +5,8 @@
 `progress_line(run)` builds it from the run directory (the trainer's metrics stream, eval.json,
 the phase and replay-gate markers). `rlhf run` prints it (`follow`), `rlhf airflow demo` prints it
 for the DAG run it follows, and the trainer's Airflow task logs it every `trainer.log_every` steps
-(`TrainerWatch`, which also tells a stalled trainer: no new step for `trainer.stall_timeout_s`).
+(`TrainerWatch`, which also tells a stalled trainer: no new step for `trainer.stall_timeout_s`;
+both `rlhf run` and the trainer's Airflow task stop such a run).
 """
 
 from __future__ import annotations
@@ -124,6 +125,7 @@ class TrainerWatch:
     logged_step: int = -1
     cfg: object = None  # the run's config, when the caller has read it
     reader: StreamReader = field(init=False)
+    records: list = field(init=False, default_factory=list)  # the stream as the last poll read it
 
     def __post_init__(self) -> None:
         self.reader = StreamReader(self.run, "trainer")
@@ -131,7 +133,7 @@ class TrainerWatch:
     def poll(self) -> tuple[str | None, str | None]:
         """(a progress line to log or None, the reason of a stall or None)."""
         now = self.clock()
-        records = self.reader.read()
+        self.records = records = self.reader.read()
         step = max((int(r["step"]) for r in records if isinstance(r.get("step"), (int, float))), default=0)
         if self.last_step is None or step > self.last_step:
             self.last_step, self.last_change = step, now
@@ -147,13 +149,14 @@ class TrainerWatch:
 
 def follow(run: RunDir, procs: dict[str, subprocess.Popen], show_bar: bool = True, poll_s: float = 1.0,
            on_tick=None, cfg=None) -> None:
-    """Block until the trainer exits; fail fast if the sampler dies first. `on_tick()` runs every
-    poll (the local runner's orchestration: reshard finished phases, open replay gates). In a
-    terminal the progress line is rewritten in place; elsewhere it is logged every
+    """Block until the trainer exits; fail fast if the sampler dies first, or if the trainer
+    records no new step for `trainer.stall_timeout_s` (as the trainer's Airflow task does). `on_tick()`
+    runs every poll (the local runner's orchestration: reshard finished phases, open replay gates).
+    In a terminal the progress line is rewritten in place; elsewhere it is logged every
     `trainer.log_every` steps. `cfg`: the run's config, when the caller has read it."""
     tty = show_bar and sys.stderr.isatty()
     cfg = cfg or run.config()
-    watch = TrainerWatch(run, every=cfg.trainer.log_every, cfg=cfg)
+    watch = TrainerWatch(run, every=cfg.trainer.log_every, cfg=cfg, stall_timeout_s=float(cfg.trainer.stall_timeout_s))
     shown = ""
     try:
         while procs["trainer"].poll() is None:
@@ -162,16 +165,18 @@ def follow(run: RunDir, procs: dict[str, subprocess.Popen], show_bar: bool = Tru
             s = procs["sampler"].poll()
             if s is not None and s != 0:
                 raise RunFailed(f"sampler exited with {s} while the trainer was running")
+            line, stalled = watch.poll()
+            if stalled:
+                raise RunFailed(f"the trainer stalled: {stalled}; the engines are stopped. The same command "
+                                "resumes the run from its last checkpoint")
             if tty:
-                line = progress_line(run, watch.reader.read(), cfg)
+                line = progress_line(run, watch.records, cfg)
                 if line != shown:
                     sys.stderr.write("\r" + line.ljust(len(shown)))
                     sys.stderr.flush()
                     shown = line
-            else:
-                line, _ = watch.poll()
-                if line:
-                    log.info("%s", line)
+            elif line:
+                log.info("%s", line)
             time.sleep(poll_s)
     finally:
         if tty and shown:

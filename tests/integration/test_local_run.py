@@ -250,6 +250,23 @@ def test_a_users_stop_ends_the_run_in_one_line_and_stays_for_the_next_rerun(tmp_
     assert RunDir(run_dir).marker("stop")["by"] == "alice"  # not replaced by the runner's own stop
 
 
+def test_a_stalled_trainer_stops_the_run_in_one_line(tmp_path, spawn):
+    """No new trainer step for trainer.stall_timeout_s (here the sampler is held before its first
+    batch): `rlhf run` stops the engines and says how to resume, as the trainer's Airflow task does."""
+    run_dir = f"file://{tmp_path}/runs/stalled"
+    p = spawn.run([sys.executable, "-m", "pipeline", "run", "configs/tiny-test.yaml", "--run-dir", run_dir,
+                   "--no-progress", "--set", "trainer.stall_timeout_s=3"], capture_output=True, text=True,
+                  timeout=120, env=dict(os.environ, OMP_NUM_THREADS="1", RLHF_SAMPLER_DELAY_S="sampler-0=600"))
+    assert p.returncode == 1 and "Traceback" not in p.stderr, p.stderr[-3000:]
+    last = p.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: the trainer stalled: no new trainer step for "), p.stderr[-3000:]
+    assert "(trainer.stall_timeout_s=3); last step 0" in last and last.endswith(
+        "The same command resumes the run from its last checkpoint"), last
+    engines = [q for q in psutil.process_iter(["cmdline"]) if run_dir in " ".join(q.info["cmdline"] or [])]
+    assert not engines, engines
+    assert RunDir(run_dir).marker(RunDir.STOP_MARKER)["by"] == "runner"
+
+
 STORAGE_DOWN = """
 import sys, time
 from pipeline import cli, progress
