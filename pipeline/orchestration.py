@@ -62,9 +62,7 @@ def validate_inputs(cfg: RunConfig) -> dict:
     from .data import data_sources, load_prompts
     from .models import ships_required_code
     from .scoring import check_sources
-    from .locations import reaching
     from .rewards import check_reward_spec
-    from .storage import list_names, url_to_fs
     from .tracking import require
 
     check_reward_spec(cfg.reward.fn, cfg.reward.batched)  # read, not imported: see its docstring
@@ -77,25 +75,54 @@ def validate_inputs(cfg: RunConfig) -> dict:
         check_sources(cfg.reward.model_copy(update={"kind": "rule"}), data_sources(src["eval"], "data.eval"))
     except ConfigError as e:
         raise ConfigError(f"data.eval: {e} (the held-out evaluation scores with the rule reward)") from None
-    with reaching("model.path", src["model"]):
-        fs, path = url_to_fs(src["model"])
-        if not fs.exists(path.rstrip("/") + "/config.json"):
-            raise ConfigError(f"model.path: {src['model']!r} is not a Hugging Face model folder (no config.json)")
-        model_config = json.loads(fs.cat_file(path.rstrip("/") + "/config.json"))
-        check_model_files(src["model"], list_names(fs, path.rstrip("/")))
+    model_config = _model_folder("model.path", src["model"])
     if ships_required_code(model_config) and not cfg.model.trust_remote_code:
         raise ConfigError(f"model.path: {src['model']!r} is a {model_config.get('model_type')!r} model defined by code "
                           "in its folder (auto_map); set model.trust_remote_code: true if you trust that code")
+    check_context(cfg, model_config, src["model"])
+    if cfg.reward.kind == "model":
+        labels = _model_folder("reward.model", cfg.reward.model)
+        n = len(labels.get("id2label") or {}) or int(labels.get("num_labels") or 2)  # transformers' default: 2
+        if cfg.reward.model_label >= n:
+            raise ConfigError(f"reward.model_label: {cfg.reward.model_label} but the reward model has {n} label(s); "
+                              f"use 0..{n - 1}")
     return src
 
 
-def check_model_files(url: str, names: list[str]) -> None:
+def _model_folder(field: str, url: str) -> dict:
+    """The config.json of the Hugging Face model folder at `url`, checked for weights and a tokenizer."""
+    from .locations import reaching
+    from .storage import list_names, url_to_fs
+
+    with reaching(field, url):
+        fs, path = url_to_fs(url)
+        if not fs.exists(path.rstrip("/") + "/config.json"):
+            raise ConfigError(f"{field}: {url!r} is not a Hugging Face model folder (no config.json)")
+        model_config = json.loads(fs.cat_file(path.rstrip("/") + "/config.json"))
+        check_model_files(url, list_names(fs, path.rstrip("/")), field)
+    return model_config
+
+
+def check_context(cfg: RunConfig, model_config: dict, url: str) -> None:
+    """A prompt of data.max_prompt_tokens and the longest answer fit the model's positions."""
+    limit = model_config.get("max_position_embeddings") or (model_config.get("text_config") or {}).get(
+        "max_position_embeddings")
+    if not isinstance(limit, int):
+        return
+    for field, new in (("sampler.max_new_tokens", cfg.sampler.max_new_tokens), ("eval.max_new_tokens", cfg.eval.max_new_tokens)):
+        if new is not None and cfg.data.max_prompt_tokens + new > limit:
+            raise ConfigError(f"{field}={new} and data.max_prompt_tokens={cfg.data.max_prompt_tokens}: a prompt and its "
+                              f"answer could take {cfg.data.max_prompt_tokens + new} tokens, past the model's "
+                              f"{limit} positions (max_position_embeddings in {url}); lower one of them")
+
+
+def check_model_files(url: str, names: list[str], field: str = "model.path") -> None:
     """A model folder holds its weights as safetensors, and a tokenizer."""
     if not {"model.safetensors", "model.safetensors.index.json"} & set(names):
-        raise ConfigError(f"model.path: {url!r} has no model.safetensors (nor model.safetensors.index.json); save "
+        raise ConfigError(f"{field}: {url!r} has no model.safetensors (nor model.safetensors.index.json); save "
                           "the model with save_pretrained(..., safe_serialization=True) to convert .bin weights")
     if not any(n.startswith(("tokenizer", "vocab")) or n.endswith((".tiktoken", "spiece.model")) for n in names):
-        raise ConfigError(f"model.path: {url!r} has no tokenizer files (tokenizer.json, tokenizer_config.json, "
+        raise ConfigError(f"{field}: {url!r} has no tokenizer files (tokenizer.json, tokenizer_config.json, "
                           "vocab...); save the tokenizer into the model folder (tokenizer.save_pretrained)")
 
 

@@ -111,6 +111,41 @@ def test_a_model_folder_without_safetensors_or_a_tokenizer_is_refused_at_prepare
         validate_inputs(parse_config({**base, "model": {"path": str(folder)}}))
 
 
+def test_a_reward_model_folder_is_checked_at_prepare_not_in_the_sampler(tmp_path):
+    """reward.kind=model: a missing folder, or a model_label the reward model does not have, is
+    refused before the run directory exists (both failed in the sampler, the first without naming
+    reward.model)."""
+    from pipeline.config import parse_config
+    from pipeline.example import build_tiny_reward_model
+    from pipeline.orchestration import resolve_sources, validate_inputs
+
+    base = {"model": {"path": "builtin:digit"}, "data": {"train": "builtin:digit", "eval": "builtin:digit"}}
+    missing = str(tmp_path / "no-such-rm")
+    with pytest.raises(ConfigError, match=f"reward.model: '{missing}' is not a Hugging Face model folder"):
+        validate_inputs(parse_config({**base, "reward": {"kind": "model", "model": missing}}))
+    rm = build_tiny_reward_model(str(tmp_path / "rm"), resolve_sources(parse_config(base))["model"])
+    validate_inputs(parse_config({**base, "reward": {"kind": "model", "model": rm}}))
+    with pytest.raises(ConfigError, match="reward.model_label: 1 but the reward model has 1 label"):
+        validate_inputs(parse_config({**base, "reward": {"kind": "model", "model": rm, "model_label": 1}}))
+
+
+def test_answers_longer_than_the_models_positions_are_refused_at_prepare():
+    """The tiny model has 256 positions: prompts of up to 128 tokens and 200-token answers would
+    run past them (generated and trained on silently, or a crash with absolute positions)."""
+    from pipeline.config import parse_config
+    from pipeline.orchestration import validate_inputs
+
+    base = {"model": {"path": "builtin:sort"}, "data": {"train": "builtin:sort", "eval": "builtin:sort"}}
+    validate_inputs(parse_config({**base, "sampler": {"max_new_tokens": 128}}))
+    with pytest.raises(ConfigError, match="sampler.max_new_tokens=200 and data.max_prompt_tokens=128: a prompt and "
+                                          "its answer could take 328 tokens, past the model's 256 positions"):
+        validate_inputs(parse_config({**base, "sampler": {"max_new_tokens": 200}}))
+    with pytest.raises(ConfigError, match="eval.max_new_tokens=300"):
+        validate_inputs(parse_config({**base, "eval": {"max_new_tokens": 300}}))
+    validate_inputs(parse_config({**base, "sampler": {"max_new_tokens": 200}, "data": {
+        "train": "builtin:sort", "eval": "builtin:sort", "max_prompt_tokens": 56}}))
+
+
 def test_a_prompt_that_renders_to_no_tokens_is_refused():
     with pytest.raises(ConfigError, match=r"data.train: prompt p1 \(data_source 's'\) renders to no tokens"):
         filter_overlong(_prompts("abc", ""), _CharTokenizer(), 4)
