@@ -75,7 +75,7 @@ class RewardConfig(_Section):
     kind: Literal["rule", "model"] = "rule"
     """What scores the sampler's completions: `rule` (reward.fn) or `model` (the reward model at reward.model)."""
     fn: str = "auto"
-    """Rule reward: `auto` (the built-in scorer of each row's data_source), a built-in (`sort`, `digit`, `gsm8k`, `math`) or `path/to/file.py:function` (verl's signature, called by keyword); held-out evaluation always uses it."""
+    """Rule reward: `auto` (the built-in scorer of each row's data_source), a built-in (`sort`, `digit`, `repeat`, `gsm8k`, `math`) or `path/to/file.py:function` (verl's signature, called by keyword); held-out evaluation always uses it."""
     batched: bool | None = None
     """The function takes lists (data_sources=, solution_strs=, ground_truths=, extra_infos=) and returns one value per sample; None: told by its signature (a parameter named solution_strs)."""
     timeout_s: float | None = Field(10.0, gt=0)
@@ -105,6 +105,10 @@ class RewardConfig(_Section):
         return self
 
 
+# vllm.LLM arguments the vllm backend sets itself: `sampler.vllm` may not give them
+VLLM_RESERVED_OPTIONS = ("model", "tokenizer", "dtype", "seed", "logprobs_mode", "generation_config", "trust_remote_code")
+
+
 class SamplerConfig(_Section):
     backend: Literal["hf", "vllm"] = "hf"
     """Generation engine: `hf` (the transformers model's forward in a decoding loop of its own, `pipeline/sampler/decode.py`) or `vllm`."""
@@ -115,7 +119,9 @@ class SamplerConfig(_Section):
     max_new_tokens: int = Field(16, gt=0)
     """Longest completion, in tokens; generation stops there or at the end-of-sequence token."""
     temperature: float = Field(1.0, gt=0)
+    """Sampling temperature: the sampler draws from softmax(logits / temperature), and the trainer computes its log-probs the same way."""
     top_p: float = Field(1.0, gt=0, le=1)
+    """Nucleus sampling: draw from the smallest set of tokens whose probability adds up to top_p (1: all tokens; below 1 with the hf backend only)."""
     max_staleness: int = Field(2, ge=0)
     """The sampler waits rather than produce data more than this many versions behind the trainer (counted at the step that trains a batch's last group)."""
     fixed_lag: bool = False
@@ -124,12 +130,21 @@ class SamplerConfig(_Section):
     """Sampler processes (Airflow: mapped tasks), each its own buffer writer; they claim prompt draws, so none is drawn twice and a slow or lost one holds back no other."""
     threads: int = Field(1, gt=0)
     """torch intra-op threads of the sampler process."""
-    poll_s: float = Field(0.2, gt=0)
-    """How often a waiting sampler looks for a new policy version or a stop marker."""
+    poll_s: float = Field(0.2, gt=0, le=60)
+    """Seconds between a waiting sampler's looks for a new policy version or a stop marker; the trainer waiting for rollouts polls at this pace too (then more slowly after a while)."""
     max_batch_tokens: int = Field(32768, gt=0)
     """Token budget of one engine call, sum of (prompt + max_new_tokens) * n; bigger calls are split, halved on OOM."""
     vllm: dict[str, JsonValue] = Field(default_factory=dict)
     """Extra engine arguments for the vllm backend (tensor_parallel_size, gpu_memory_utilization, ...)."""
+
+    @field_validator("vllm")
+    @classmethod
+    def _vllm_options(cls, v: dict) -> dict:
+        clash = [k for k in v if k in VLLM_RESERVED_OPTIONS]
+        if clash:
+            raise ValueError(f"'{clash[0]}' is set by the pipeline (from model.path, model.dtype, "
+                             "model.trust_remote_code, seed); remove it from sampler.vllm")
+        return v
 
     @model_validator(mode="after")
     def _vllm_top_p(self) -> "SamplerConfig":
@@ -150,7 +165,9 @@ class TrainerConfig(_Section):
     lr: float = Field(1e-3, gt=0)
     """Learning rate of the policy (AdamW)."""
     weight_decay: float = Field(0.0, ge=0)
+    """AdamW's decoupled weight decay of the policy, on every parameter (norms and biases too)."""
     max_grad_norm: float = Field(1.0, gt=0)
+    """Clip the policy's gradient to this global L2 norm before each optimizer step."""
     warmup_steps: int = Field(0, ge=0)
     """Linear learning-rate warmup over this many optimizer updates (0: constant rate)."""
     clip_eps: float = Field(0.2, gt=0)
@@ -179,7 +196,7 @@ class TrainerConfig(_Section):
     """Truncation C of the importance weights: w = min(pi_prox / mu, C); 1 never up-weights stale tokens (V-trace's rho-bar)."""
     vf_coef: float = Field(0.5, ge=0)
     """Weight of the critic's value loss (ppo)."""
-    critic_lr: float | None = None
+    critic_lr: float | None = Field(None, gt=0)
     """Learning rate of the value head (None: trainer.lr)."""
     gamma: float = Field(1.0, ge=0, le=1)
     """Discount of the token-level return (ppo)."""
@@ -210,7 +227,14 @@ class TrainerConfig(_Section):
     nnodes: int = Field(1, ge=1, le=1024)
     """Trainer nodes (Airflow: mapped trainer tasks) meeting in a torchrun c10d rendezvous; FSDP2 spans all their ranks."""
     rendezvous: str | None = None
-    """host:port of the trainer's rendezvous when nnodes > 1; empty: node 0 picks a port and publishes its address in the run directory."""
+    """host:port of the trainer's rendezvous when nnodes > 1 (an IPv6 address in brackets); empty: node 0 picks a port and publishes its address in the run directory."""
+
+    @field_validator("rendezvous")
+    @classmethod
+    def _rendezvous(cls, v: str | None) -> str | None:
+        from .config_checks import check_endpoint
+
+        return v if v is None else check_endpoint(v)
     sync_every: int = Field(1, gt=0)
     """Publish a new policy version for the sampler every N steps."""
     gradient_checkpointing: bool = False
@@ -228,24 +252,21 @@ class TrainerConfig(_Section):
     wait_timeout_s: float = Field(600.0, gt=0)
     """Fail if no fresh rollouts arrive (or a replay gate stays closed) for this long."""
     stall_timeout_s: float = Field(1800.0, ge=0)
-    """Airflow: fail the trainer task (its retries take over) and send a stall alert when no new trainer step is recorded for this long while the task runs; 0 = never."""
+    """Stop a run whose trainer records no new step for this long: `rlhf run` stops its engines (the same command resumes), the Airflow trainer task fails (its retries take over) and sends a stall alert; 0 = never."""
 
     @model_validator(mode="after")
-    def _phases(self) -> "TrainerConfig":
-        if self.steps % self.phases:
-            raise ValueError(f"trainer.phases={self.phases} does not divide trainer.steps={self.steps}; "
-                             "choose phases so that every phase has the same number of steps")
+    def _rules(self) -> "TrainerConfig":
+        from .config_checks import check_trainer
+
         if self.algorithm == "ppo" and "replay_rows" not in self.model_fields_set:
             self.replay_rows = "all"  # the default for group algorithms; ppo has no group advantages
-        if self.replay_rows != "all" and self.algorithm == "ppo":
-            raise ValueError(f"trainer.replay_rows={self.replay_rows} picks rows by their group's advantage, which "
-                             "algorithm ppo (a critic, token advantages) does not have; use replay_rows=all or a "
-                             "group algorithm (grpo, dr_grpo, rloo, reinforce_pp)")
+        check_trainer(self)
         return self
 
 
 class BufferConfig(_Section):
     shard_compression: Literal["zstd", "snappy", "none"] = "zstd"
+    """Parquet compression of the rollout shards of L1 and L2 (the L3 archive is always zstd)."""
     writer_queue: int = Field(8, gt=0)
     """Shards queued in the asynchronous writer before `write` blocks."""
     fsync: bool = False
@@ -274,17 +295,17 @@ class BufferConfig(_Section):
     """L1 bound on rows not yet consumed: they are never dropped, the sampler waits for the trainer instead. Consumed shards stay in L1 until compaction archives them into L3 (the run's finalize, or `rlhf buffer compact`)."""
     l2_max_groups: int = Field(50_000, gt=0)
     """L2 bound: groups that used up their replays go first, then the oldest shards (FIFO)."""
-    l3_max_rows: int | None = None
+    l3_max_rows: int | None = Field(None, gt=0)
     """L3 bound (None: unbounded): the oldest archive files are dropped first."""
-    l3_retention_s: float | None = None
+    l3_retention_s: float | None = Field(None, gt=0)
     """Drop L3 archive files committed longer ago than this (None: keep forever)."""
     compact_target_rows: int = Field(100_000, gt=0)
     """Rows per L3 file written by compaction."""
-    samples_per_insert: float | None = None
+    samples_per_insert: float | None = Field(None, gt=0)
     """Rate limiter: groups the trainer consumes (fresh + replays) per group inserted (None: no ratio bound)."""
     rate_error_groups: int = Field(256, ge=0)
     """Rate limiter slack: how far inserts may run ahead of samples_per_insert, in groups."""
-    max_fresh_backlog: int | None = None
+    max_fresh_backlog: int | None = Field(None, gt=0)
     """Rate limiter: the sampler waits while more than this many L1 groups are unconsumed (None: only l1_max_rows)."""
     orphan_grace_s: float = Field(3600.0, ge=0)
     """vacuum deletes unreferenced files only when older than this (a writer may be about to commit them)."""
@@ -293,9 +314,10 @@ class BufferConfig(_Section):
 
 
 class EvalConfig(_Section):
-    max_new_tokens: int | None = None
-    """Defaults to sampler.max_new_tokens."""
+    max_new_tokens: int | None = Field(None, gt=0)
+    """Longest greedy answer of the held-out evaluation, in tokens (None: sampler.max_new_tokens)."""
     batch_size: int = Field(64, gt=0)
+    """Held-out prompts per generation call of the evaluation."""
 
 
 class DevicesConfig(_Section):
@@ -327,34 +349,10 @@ class RunConfig(_Section):
 
     @model_validator(mode="after")
     def _cross(self) -> "RunConfig":
-        if self.trainer.groups_per_step % self.sampler.prompts_per_batch and \
-                self.sampler.prompts_per_batch % self.trainer.groups_per_step:
-            raise ValueError(
-                f"trainer.groups_per_step={self.trainer.groups_per_step} and "
-                f"sampler.prompts_per_batch={self.sampler.prompts_per_batch}: one must divide the other"
-            )
-        steps_per_batch = max(1, self.sampler.prompts_per_batch // self.trainer.groups_per_step)
-        if self.trainer.sync_every + steps_per_batch - 1 > self.sampler.max_staleness + 1:
-            raise ValueError(
-                f"trainer.sync_every={self.trainer.sync_every}, sampler.max_staleness={self.sampler.max_staleness}"
-                + (f" and batches of {steps_per_batch} steps (sampler.prompts_per_batch / trainer.groups_per_step)"
-                   if steps_per_batch > 1 else "")
-                + ": a batch's last group may be trained at most max_staleness steps after the version that "
-                "generated the batch, so sync_every + steps per batch - 1 must be at most max_staleness + 1, or "
-                "the run stalls; lower trainer.sync_every or sampler.prompts_per_batch, or raise "
-                "sampler.max_staleness"
-            )
-        if self.sampler.fixed_lag:
-            self._check_fixed_lag()
-        return self
+        from .config_checks import check_run
 
-    def _check_fixed_lag(self) -> None:
-        s, t = self.sampler, self.trainer
-        if t.keep_policy_versions * t.sync_every <= s.max_staleness:
-            raise ValueError(
-                f"sampler.fixed_lag with trainer.keep_policy_versions={t.keep_policy_versions}, trainer.sync_every="
-                f"{t.sync_every} and sampler.max_staleness={s.max_staleness}: the version a batch is scheduled on "
-                "is up to max_staleness steps old, so keep_policy_versions * sync_every must be above it")
+        check_run(self)
+        return self
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
@@ -373,11 +371,13 @@ def _format_error(err: ValidationError) -> str:
                                      and issubclass(field.annotation, BaseModel)):
                 break
             model = field.annotation
-        valid = ", ".join(model.model_fields)
-        return f"unknown config key '{loc}'; remove it or use one of: {valid}"
+        for name, f in model.model_fields.items():  # an old name given beside the new one
+            if isinstance(f.validation_alias, AliasChoices) and e["loc"][-1] in f.validation_alias.choices:
+                return f"config key '{loc}' is the old name of '{'.'.join(map(str, parent + (name,)))}'; give only one of them"
+        return f"unknown config key '{loc}'; remove it or use one of: {', '.join(model.model_fields)}"
     if kind == "value_error":
         msg = str(e.get("ctx", {}).get("error", e["msg"]))
-        return msg if loc == "config" else f"{loc}: {msg}"
+        return msg if loc == "config" or msg.startswith(loc + ".") else f"{loc}: {msg}"
     return f"{loc}: {e['msg'].rstrip('.')} (got {show_value(e.get('input'))}); fix the value of '{loc}'"
 
 

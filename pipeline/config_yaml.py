@@ -3,6 +3,7 @@ values shown on one short line. `pipeline.config` validates what these return.""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -28,8 +29,31 @@ def show_value(value: Any) -> str:
     return text if len(text) <= 200 else text[:200] + "..."
 
 
+_CORE = "tag:yaml.org,2002:"
+_OLD_SCALARS = {_CORE + t for t in ("bool", "int", "float", "null", "timestamp")}
+
+
+def _core_int(loader, node) -> int:
+    text = loader.construct_scalar(node)
+    sign, digits = (-1, text[1:]) if text[0] == "-" else (1, text.lstrip("+"))
+    base = {"0o": 8, "0x": 16}.get(digits[:2], 10)
+    return sign * int(digits[2:] if base != 10 else digits, base)
+
+
+def _core_float(loader, node) -> float:
+    text = loader.construct_scalar(node).lower()
+    return float(text.replace(".inf", "inf").replace(".nan", "nan"))
+
+
 class _YamlLoader(yaml.SafeLoader):
-    """safe_load, except that a key given twice in one mapping is an error, not the last one wins."""
+    """safe_load, except that a key given twice in one mapping is an error, not the last one wins,
+    and that plain scalars resolve as in YAML 1.2's core schema (what JSON and most tools read):
+    `5e-4` is a float, `010` is 10, `1:30` and `2026-11-08` stay strings, only true/false are
+    booleans. PyYAML's YAML 1.1 made them a string, 8, 90, a date, and yes/no/on/off booleans."""
+
+    yaml_implicit_resolvers = {
+        first: [(tag, rx) for tag, rx in resolvers if tag not in _OLD_SCALARS]
+        for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()}
 
     def construct_mapping(self, node, deep=False):
         seen = set()
@@ -40,6 +64,17 @@ class _YamlLoader(yaml.SafeLoader):
                                                             key.start_mark)
                 seen.add((key.tag, key.value))
         return super().construct_mapping(node, deep)
+
+
+_YamlLoader.add_implicit_resolver(_CORE + "bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF"))
+_YamlLoader.add_implicit_resolver(_CORE + "null", re.compile(r"^(?:~|null|Null|NULL|)$"), ["~", "n", "N", ""])
+_YamlLoader.add_implicit_resolver(_CORE + "int", re.compile(r"^(?:[-+]?[0-9]+|0o[0-7]+|0x[0-9a-fA-F]+)$"),
+                                  list("-+0123456789"))
+_YamlLoader.add_implicit_resolver(
+    _CORE + "float", re.compile(r"^(?:[-+]?(?:\.[0-9]+|[0-9]+(?:\.[0-9]*)?)(?:[eE][-+]?[0-9]+)?"
+                                r"|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$"), list("-+.0123456789"))
+_YamlLoader.add_constructor(_CORE + "int", _core_int)
+_YamlLoader.add_constructor(_CORE + "float", _core_float)
 
 
 def load_yaml_text(text: str) -> Any:
@@ -56,8 +91,18 @@ def _coerce_override(raw: str) -> Any:
     return load_yaml_text(raw) if raw != "" else ""
 
 
+def _merge(into: dict, new: dict) -> None:
+    for k, v in new.items():
+        if isinstance(v, dict) and isinstance(into.get(k), dict):
+            _merge(into[k], v)
+        else:
+            into[k] = v
+
+
 def apply_overrides(data: dict, overrides: list[str] | None) -> dict:
-    """Apply `a.b.c=value` overrides (values parsed as YAML scalars) to a nested dict."""
+    """Apply `a.b.c=value` overrides (values parsed as YAML) to a nested dict. A mapping value
+    merges into the mapping already there, key by key as dotted keys would (`trainer={steps: 5}`
+    sets steps and keeps the rest of the section; `trainer={}` changes nothing)."""
     if not isinstance(overrides, (list, tuple, type(None))):
         raise ConfigError(f"overrides: {show_value(overrides)} is not a list; pass a list of key=value strings")
     for item in overrides or []:
@@ -65,15 +110,22 @@ def apply_overrides(data: dict, overrides: list[str] | None) -> dict:
             raise ConfigError(f"override {show_value(item)}: expected key=value, e.g. trainer.steps=20")
         key, raw = item.split("=", 1)
         parts = key.strip().split(".")
+        if not all(parts):
+            raise ConfigError(f"override {show_value(item)}: {'no key before =' if not key.strip() else 'an empty key part'}; "
+                              "expected key=value, e.g. trainer.steps=20")
         node = data
         for p in parts[:-1]:
             node = node.setdefault(p, {})
             if not isinstance(node, dict):
                 raise ConfigError(f"override {item!r}: '{p}' is not a section")
         try:
-            node[parts[-1]] = _coerce_override(raw)
+            value = _coerce_override(raw)
         except ValueError as e:
             raise ConfigError(f"override {show_value(item)}: the value is not valid YAML ({e}); quote it") from None
+        if isinstance(value, dict) and isinstance(node.get(parts[-1]), dict):
+            _merge(node[parts[-1]], value)
+        else:
+            node[parts[-1]] = value
     return data
 
 

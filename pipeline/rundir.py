@@ -93,16 +93,30 @@ RESIZABLE = {"sampler": ("replicas", "threads"), "trainer": ("nnodes", "nproc_pe
              "devices": ("sampler_share", "count")}
 
 
+def run_differences(a: RunConfig, b: RunConfig) -> list[str]:
+    """The settings (dotted keys) in which two configs differ, but for those of `RESIZABLE`: none
+    when they are one run, perhaps spread differently."""
+    da, db = a.model_dump(), b.model_dump()
+    out = []
+    for section in da:
+        if not isinstance(da[section], dict):
+            out += [section] if da[section] != db[section] else []
+            continue
+        out += [f"{section}.{k}" for k in da[section] if k not in RESIZABLE.get(section, ())
+                and da[section][k] != db[section][k]]
+    return out
+
+
 def same_run(a: RunConfig, b: RunConfig) -> bool:
     """Whether two configs are one run, perhaps spread differently (they differ at most in `RESIZABLE`)."""
-    def learning(config: RunConfig) -> dict:
-        out = config.model_dump()
-        for section, keys in RESIZABLE.items():
-            for k in keys:
-                out[section].pop(k, None)
-        return out
+    return not run_differences(a, b)
 
-    return learning(a) == learning(b)
+
+def _at(config: RunConfig, key: str):
+    value = config
+    for part in key.split("."):
+        value = getattr(value, part)
+    return value.model_dump() if hasattr(value, "model_dump") else value
 
 
 class RunDir:
@@ -222,10 +236,13 @@ class RunDir:
         except (ValueError, TypeError, yaml.YAMLError) as e:  # ConfigError, or not a YAML mapping
             raise ConfigError(f"run directory {self.url} holds a config.yaml that is not a run config of "
                               f"rlhf-pipeline ({e}); choose a new or empty folder") from None
-        if not same_run(existing, config):
+        differ = run_differences(existing, config)
+        if differ:
+            shown = ", ".join(f"{k} ({_at(existing, k)!r} there, {_at(config, k)!r} here)" for k in differ[:3])
             raise ConfigError(
-                f"run directory {self.url} already holds a different config; "
-                "choose another run_id or delete the old run"
+                f"run directory {self.url} already holds a different config: {shown}"
+                f"{f' and {len(differ) - 3} more' if len(differ) > 3 else ''}; resume it with its own settings, "
+                "or choose another run_id or delete the old run"
             )
         if existing.model_dump() != config.model_dump():  # the same run at another scale
             put_atomic(self.fs, self.path("config.yaml"), text)

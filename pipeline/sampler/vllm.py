@@ -23,6 +23,7 @@ import json
 import logging
 import os
 
+from ..config import VLLM_RESERVED_OPTIONS
 from ..devices import MEMORY_FRACTION_ENV
 from ..devices import set_threads
 from ..model_cache import localize
@@ -35,8 +36,8 @@ CPU_ENV_DEFAULTS = {
     "VLLM_CPU_KVCACHE_SPACE": "1",
     "VLLM_CPU_OMP_THREADS_BIND": "nobind",
 }
-# Engine arguments the backend sets itself; `sampler.vllm` may not override them.
-RESERVED_OPTIONS = ("model", "tokenizer", "dtype", "seed", "logprobs_mode", "generation_config", "trust_remote_code")
+# Engine arguments the backend sets itself; `sampler.vllm` may not override them (refused by the config too).
+RESERVED_OPTIONS = VLLM_RESERVED_OPTIONS
 # Engine arguments named in the run config docs; anything else is passed through to `vllm.LLM`.
 KNOWN_OPTIONS = ("tensor_parallel_size", "gpu_memory_utilization", "max_model_len", "enable_prefix_caching",
                  "enforce_eager", "kv_cache_memory_bytes", "max_num_seqs", "max_num_batched_tokens")

@@ -56,11 +56,7 @@ FAULT_ENV = "RLHF_TRAINER_KILL_AFTER_STEP"  # fault injection for the resume tes
 
 
 def check_config(cfg) -> None:
-    tc = cfg.trainer
-    get_algorithm(tc.algorithm)
-    if tc.replay_epochs and cfg.buffer.max_replays_per_group == 0:
-        raise ValueError(f"trainer.replay_epochs={tc.replay_epochs} but buffer.max_replays_per_group=0: nothing "
-                         "would ever be eligible; set buffer.max_replays_per_group >= 1 or trainer.replay_epochs=0")
+    get_algorithm(cfg.trainer.algorithm)  # the rules between settings are the config's (pipeline.config_checks)
 
 
 def rollback_metrics(run: RunDir, step: int) -> None:

@@ -1,0 +1,114 @@
+"""Rules between settings of different sections of a run config (`RunConfig`'s last validator).
+
+Each rule refuses a combination that could never run as meant: one that would stall the run
+(the staleness bound, the rate limiter), wait for data that can never come (replay nothing can
+be eligible for) or be silently ignored. A broken rule raises ValueError with one line that names
+the settings and the fix; `pipeline.config` turns it into a ConfigError.
+"""
+
+from __future__ import annotations
+
+import re
+
+_ENDPOINT = re.compile(r"(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9._-]+):([0-9]{1,5})")
+
+
+def check_endpoint(value: str) -> str:
+    """`value` if it is host:port with a port of 1-65535 (an IPv6 host in brackets)."""
+    m = _ENDPOINT.fullmatch(value)
+    if not m or not 0 < int(m.group(2)) < 65536:
+        raise ValueError(f"{value!r} is not host:port (e.g. node-0:29400, [fd00::1]:29400, port 1-65535)")
+    return value
+
+
+CRITIC_SETTINGS = ("critic_lr", "vf_coef", "gamma", "gae_lambda", "critic_targets", "vtrace_rho_bar", "vtrace_c_bar")
+
+
+def check_trainer(t) -> None:
+    """The rules within a `TrainerConfig`."""
+    if t.steps % t.phases:
+        raise ValueError(f"trainer.phases={t.phases} does not divide trainer.steps={t.steps}; "
+                         "choose phases so that every phase has the same number of steps")
+    if t.replay_rows != "all" and t.algorithm == "ppo":
+        raise ValueError(f"trainer.replay_rows={t.replay_rows} picks rows by their group's advantage, which "
+                         "algorithm ppo (a critic, token advantages) does not have; use replay_rows=all or a "
+                         "group algorithm (grpo, dr_grpo, rloo, reinforce_pp)")
+    if t.algorithm != "ppo":  # a value other than the default would be silently ignored
+        unused = [k for k in CRITIC_SETTINGS if getattr(t, k) != type(t).model_fields[k].default]
+        if unused:
+            raise ValueError(f"{', '.join('trainer.' + k for k in unused)}: settings of the critic, which algorithm "
+                             f"{t.algorithm} does not train (only ppo does); remove them or use algorithm ppo")
+
+
+def check_run(cfg) -> None:
+    """Every rule, on a `RunConfig` whose sections are each valid."""
+    _batches(cfg)
+    _staleness(cfg)
+    if cfg.sampler.fixed_lag:
+        _fixed_lag(cfg)
+    _replay(cfg)
+    _rate_limiter(cfg)
+
+
+def _batches(cfg) -> None:
+    gps, ppb = cfg.trainer.groups_per_step, cfg.sampler.prompts_per_batch
+    if gps % ppb and ppb % gps:
+        raise ValueError(f"trainer.groups_per_step={gps} and sampler.prompts_per_batch={ppb}: one must divide the other")
+
+
+def _staleness(cfg) -> None:
+    s, t = cfg.sampler, cfg.trainer
+    steps_per_batch = max(1, s.prompts_per_batch // t.groups_per_step)
+    if t.sync_every + steps_per_batch - 1 > s.max_staleness + 1:
+        raise ValueError(
+            f"trainer.sync_every={t.sync_every}, sampler.max_staleness={s.max_staleness}"
+            + (f" and batches of {steps_per_batch} steps (sampler.prompts_per_batch / trainer.groups_per_step)"
+               if steps_per_batch > 1 else "")
+            + ": a batch's last group may be trained at most max_staleness steps after the version that "
+            "generated the batch, so sync_every + steps per batch - 1 must be at most max_staleness + 1, or "
+            "the run stalls; lower trainer.sync_every or sampler.prompts_per_batch, or raise "
+            "sampler.max_staleness"
+        )
+
+
+def _fixed_lag(cfg) -> None:
+    s, t = cfg.sampler, cfg.trainer
+    if t.keep_policy_versions * t.sync_every <= s.max_staleness:
+        raise ValueError(
+            f"sampler.fixed_lag with trainer.keep_policy_versions={t.keep_policy_versions}, trainer.sync_every="
+            f"{t.sync_every} and sampler.max_staleness={s.max_staleness}: the version a batch is scheduled on "
+            "is up to max_staleness steps old, so keep_policy_versions * sync_every must be above it")
+
+
+def _replay(cfg) -> None:
+    t, b = cfg.trainer, cfg.buffer
+    if t.replay_epochs and b.max_replays_per_group == 0:
+        raise ValueError(f"trainer.replay_epochs={t.replay_epochs} but buffer.max_replays_per_group=0: nothing "
+                         "would ever be eligible; set buffer.max_replays_per_group >= 1 or trainer.replay_epochs=0")
+    lo, hi = b.l2_min_reward_mean, b.l2_max_reward_mean
+    if lo is not None and hi is not None and lo > hi:
+        raise ValueError(f"buffer.l2_min_reward_mean={lo} is above buffer.l2_max_reward_mean={hi}: no group could "
+                         "be promoted to L2 for replay; swap them or drop one")
+
+
+def _rate_limiter(cfg) -> None:
+    """The rate limiter's bounds (`pipeline.buffer.ratelimit`) must let a sampler batch in and let
+    the trainer's step fill: else the sampler waits for consumption that never comes."""
+    b, s, t = cfg.buffer, cfg.sampler, cfg.trainer
+    need = max(s.prompts_per_batch, t.groups_per_step)
+    why = (f"one sampler batch (sampler.prompts_per_batch={s.prompts_per_batch}) and one trainer step "
+           f"(trainer.groups_per_step={t.groups_per_step}) take {need} groups")
+    if b.max_fresh_backlog is not None and b.max_fresh_backlog < need:
+        raise ValueError(f"buffer.max_fresh_backlog={b.max_fresh_backlog}: {why}, so the sampler would wait for ever; "
+                         f"set it to at least {need}")
+    if b.samples_per_insert is None:
+        return
+    if b.rate_error_groups < need:
+        raise ValueError(f"buffer.rate_error_groups={b.rate_error_groups} with buffer.samples_per_insert: {why}, so "
+                         f"the sampler would wait for ever; set it to at least {need}")
+    most = 1 + (b.max_replays_per_group if t.replay_epochs else 0)
+    if b.samples_per_insert > most:
+        raise ValueError(
+            f"buffer.samples_per_insert={b.samples_per_insert}: a group is trained on at most {most} time(s) here "
+            f"(once fresh{f', and up to buffer.max_replays_per_group={b.max_replays_per_group} replays' if most > 1 else ', replay being off (trainer.replay_epochs=0)'}), "
+            f"so the sampler would fall behind the bound and wait for ever; set it to at most {most}")
