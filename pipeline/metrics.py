@@ -80,14 +80,31 @@ class StreamReader:
     """Reads one stream again and again (a progress line, a watch), fetching only what is new.
     Parts and bases are created once and never rewritten, so each is fetched once; so is
     `<stream>.jsonl` on an object store, where writers never write it (a rebase deletes it). A
-    read lists the stream's folder and fetches what it has not read yet (on local disk, also
-    `<stream>.jsonl`, which is appended to)."""
+    read lists the stream's folder and fetches what it has not read yet. On local disk
+    `<stream>.jsonl` is appended to: a read parses only the lines appended since the last one
+    (`replace` writes a new file in its place, which is then read from its start)."""
 
     def __init__(self, run, stream: str):
         self.run, self.stream = run, stream
         self._head = run.path(f"metrics/{stream}.jsonl")
         self._keep_head = not is_local(run.fs)
         self._read: dict[str, list[dict]] = {}  # path -> its records
+        self._at: tuple[int, int, int] | None = None  # local head: (device, inode, bytes parsed)
+
+    def _read_local_head(self) -> list[dict]:
+        """The local `<stream>.jsonl`'s records, parsing only the whole lines added since the last read."""
+        with open(self._head, "rb") as f:
+            st = os.fstat(f.fileno())
+            dev, ino, done = self._at if self._at is not None else (None, None, 0)
+            out = self._read.get(self._head)
+            if (dev, ino) != (st.st_dev, st.st_ino) or st.st_size < done or out is None:
+                done, out = 0, []  # another file (replaced) or a first read
+            f.seek(done)
+            raw = f.read()
+        end = raw.rfind(b"\n") + 1  # a last line without its newline may be being appended: next time
+        _parse(raw[:end], out)
+        self._at = (st.st_dev, st.st_ino, done + end)
+        return out
 
     def read(self) -> list[dict]:
         """Every record of the stream, in the order logged ([] when it does not exist)."""
@@ -108,9 +125,12 @@ class StreamReader:
             if self._head not in self._read or not self._keep_head:
                 out: list[dict] = []
                 try:
-                    _parse(read_bytes(run.fs, self._head), out)
+                    if self._keep_head:
+                        _parse(read_bytes(run.fs, self._head), out)
+                    else:
+                        out = self._read_local_head()
                 except FileNotFoundError:
-                    pass  # a stream written in parts only
+                    self._at = None  # a stream written in parts only
                 self._read[self._head] = out
         new = [p for p in paths if p not in self._read]
         blobs = run.fs.cat(new, on_error="raise") if new else {}

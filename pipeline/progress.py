@@ -49,14 +49,24 @@ def format_rate(per_s: float) -> str:
     return f"{per_s:.0f}"
 
 
+def _last_steps(records: list[dict]) -> list[dict]:
+    """The last WINDOW step records, read from the end (a long run's stream holds many)."""
+    out = []
+    for r in reversed(records):
+        if isinstance(r.get("step"), (int, float)):
+            out.append(r)
+            if len(out) == WINDOW:
+                break
+    return out[::-1]
+
+
 def snapshot(run: RunDir, records: list[dict] | None = None, cfg=None) -> dict:
     """What the progress line says, as a dict (also the demo's and the task log's source); `cfg`:
     the run's config, when the caller has read it."""
     cfg = cfg or run.config()
     records = run.read_metrics("trainer") if records is None else records
-    steps = [r for r in records if isinstance(r.get("step"), (int, float))]
-    recent = steps[-WINDOW:]
-    snap: dict = {"steps": cfg.trainer.steps, "step": int(steps[-1]["step"]) if steps else 0,
+    recent = _last_steps(records)
+    snap: dict = {"steps": cfg.trainer.steps, "step": int(recent[-1]["step"]) if recent else 0,
                   "reward": _mean([r.get("reward/mean") for r in recent]),
                   "tok_s": _mean([r.get("perf/tokens_per_s") for r in recent]),
                   "staleness": _mean([r.get("staleness/mean") for r in recent]), "eta_s": None}
@@ -126,6 +136,7 @@ class TrainerWatch:
     cfg: object = None  # the run's config, when the caller has read it
     reader: StreamReader = field(init=False)
     records: list = field(init=False, default_factory=list)  # the stream as the last poll read it
+    _max_step: int = field(init=False, default=0)  # over `records`, kept as they grow
 
     def __post_init__(self) -> None:
         self.reader = StreamReader(self.run, "trainer")
@@ -133,8 +144,12 @@ class TrainerWatch:
     def poll(self) -> tuple[str | None, str | None]:
         """(a progress line to log or None, the reason of a stall or None)."""
         now = self.clock()
-        self.records = records = self.reader.read()
-        step = max((int(r["step"]) for r in records if isinstance(r.get("step"), (int, float))), default=0)
+        seen, records = len(self.records), self.reader.read()
+        if len(records) < seen or (seen and records[seen - 1] is not self.records[seen - 1]):
+            seen, self._max_step = 0, 0  # the stream was replaced (a resumed trainer drops redone steps)
+        self.records = records
+        step = self._max_step = max([self._max_step, *(int(r["step"]) for r in records[seen:]
+                                                        if isinstance(r.get("step"), (int, float)))])
         if self.last_step is None or step > self.last_step:
             self.last_step, self.last_change = step, now
         line = None

@@ -67,3 +67,16 @@ def test_a_finished_trainer_never_counts_as_stalled(run):
     run.set_marker(run.TRAINER_DONE_MARKER, {"step": 400})
     now[0] = 100.0
     assert watch.poll()[1] is None
+
+
+def test_the_watch_follows_a_stream_a_resumed_trainer_replaced(run):
+    """A resumed trainer drops the steps it redoes: the watch's last step is the new stream's."""
+    now = [0.0]
+    watch = TrainerWatch(run, every=5, stall_timeout_s=10, clock=lambda: now[0])
+    log_steps(run, range(1, 11))
+    watch.poll()
+    run.metrics("trainer").replace([r for r in run.read_metrics("trainer") if r["step"] <= 4])
+    log_steps(run, [5])
+    watch.poll()
+    now[0] = 11.0
+    assert "last step 5" in watch.poll()[1]
