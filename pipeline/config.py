@@ -219,7 +219,9 @@ class TrainerConfig(_Section):
     replay_yield: bool = False
     """A replay epoch gives way to fresh data: it ends before any update once the next fresh step's groups have arrived or are due before the update would end (`pipeline.trainer.feed.ReplayPace`), and after the last fresh step, which has none to wait for; an update under way when they come anyway (with update_epochs 1: a later epoch would follow an optimizer step already taken) stops, unapplied and uncounted, before its next micro-batch, so replay fills only time the trainer would spend waiting for the sampler: free when the sampler is the bottleneck, none when the trainer is. Which updates run then depends on timing; off, every epoch makes all its draws."""
     checkpoint_every: int = Field(0, ge=0)
-    """Extra checkpoints every N fresh steps (0: only at phase ends)."""
+    """Extra checkpoints every N fresh steps (0: only at phase ends and as checkpoint_every_s says)."""
+    checkpoint_every_s: float = Field(1800.0, ge=0)
+    """An extra checkpoint once this many seconds have passed since the trainer started or saved its last one (0: off): a killed run redoes at most about this much training when it resumes."""
     keep_checkpoints: int = Field(2, gt=0)
     """Periodic checkpoints kept (the newest K); phase-end checkpoints are always kept."""
     nproc_per_node: int = Field(1, gt=0)

@@ -87,9 +87,10 @@ def url_is_under(url: str, root: str) -> bool:
     return store == root_store and path[: len(root_path)] == root_path
 
 
-# How a run is spread over processes and devices, not what it learns: a run resumes with other
-# values (more or fewer samplers, another trainer node count), which prepare records.
-RESIZABLE = {"sampler": ("replicas", "threads"), "trainer": ("nnodes", "nproc_per_node", "rendezvous", "threads"),
+# How a run is spread over processes and devices, or how often it saves, not what it learns: a run
+# resumes with other values (more or fewer samplers, another trainer node count), which prepare records.
+RESIZABLE = {"sampler": ("replicas", "threads"),
+             "trainer": ("nnodes", "nproc_per_node", "rendezvous", "threads", "checkpoint_every_s"),
              "devices": ("sampler_share", "count")}
 
 

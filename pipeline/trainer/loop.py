@@ -55,10 +55,6 @@ log = logging.getLogger("rlhf.trainer")
 FAULT_ENV = "RLHF_TRAINER_KILL_AFTER_STEP"  # fault injection for the resume tests: SIGKILL after step N + its replays
 
 
-def check_config(cfg) -> None:
-    get_algorithm(cfg.trainer.algorithm)  # the rules between settings are the config's (pipeline.config_checks)
-
-
 def rollback_metrics(run: RunDir, step: int) -> None:
     """Drop metric records of steps after `step` (a resumed trainer redoes them)."""
     records = run.read_metrics("trainer")
@@ -91,7 +87,6 @@ class Trainer:
         self.run, self.world = run, world
         self.cfg = cfg = run.config()
         self.tc = tc = cfg.trainer
-        check_config(cfg)
         set_threads(tc.threads)
         torch.manual_seed(cfg.seed)
         self.algo = get_algorithm(tc.algorithm)
@@ -120,6 +115,7 @@ class Trainer:
                                       self.feed, self.buffer, cfg.sampler.poll_s) if borrow else None
         self.pace = ReplayPace()
         self.state = TrainerState()
+        self._saved_at = time.monotonic()  # trainer.checkpoint_every_s counts from the start and each checkpoint
         ck = latest_checkpoint(run)
         if ck is not None:
             self.state = load_checkpoint(ck, self.actor, self.opt, self.sched)
@@ -300,9 +296,19 @@ class Trainer:
         ck = save_checkpoint(self.run, self.actor, self.opt, self.sched, self.state, self.tokenizer, self.world,
                              kind=kind, keep=self.tc.keep_checkpoints, buffer_version=self.buffer.state.version,
                              store=self.store)
+        self._saved_at = time.monotonic()
         if self.world.is_main:  # a restart now redoes nothing before it: compaction may archive up to it
             self._mark_resumable()
         return ck
+
+    def _checkpoint_due(self) -> bool:
+        """A periodic checkpoint after this step: every `checkpoint_every` steps, or once
+        `checkpoint_every_s` have passed since the last one (rank 0's clock decides for every rank)."""
+        tc = self.tc
+        if tc.checkpoint_every and self.state.step % tc.checkpoint_every == 0:
+            return True
+        late = bool(tc.checkpoint_every_s) and time.monotonic() - self._saved_at >= tc.checkpoint_every_s
+        return bool(self.world.max_int(int(late and self.world.is_main))) if self.world.distributed else late
 
     def _mark_resumable(self) -> None:
         """Rank 0 alone writes it: a storage error here costs a warning (a mark left behind only
@@ -352,7 +358,7 @@ class Trainer:
                             publisher = None
                         run.set_marker(RunDir.phase_done_marker(phase_ends[st.step]),
                                        {"step": st.step, "checkpoint": ck.url})
-                elif tc.checkpoint_every and st.step % tc.checkpoint_every == 0:
+                elif self._checkpoint_due():
                     self._checkpoint("periodic")
                 if st.step not in phase_ends and st.step % tc.sync_every == 0:
                     self._publish(publisher)

@@ -154,6 +154,19 @@ def test_two_process_fsdp_run_makes_the_same_updates_as_one_process(uninterrupte
     assert_same(two, one, atol=1e-4)
 
 
+@pytest.mark.parametrize("every_s, kept", [(0.0, [2 * N]), (1e-9, [2 * N - 2, 2 * N - 1, 2 * N])])
+def test_a_trainer_checkpoints_once_checkpoint_every_s_have_passed(tmp_path, every_s, kept):
+    """Without checkpoint_every and with one phase, a killed run restarted from step 0: now a
+    checkpoint follows the first step that ends checkpoint_every_s after the last one (the newest
+    keep_checkpoints of them stay, beside the phase's)."""
+    from pipeline.rundir import RunDir
+
+    tc = {**CONFIG["trainer"], "checkpoint_every": 0, "checkpoint_every_s": every_s, "keep_checkpoints": 2}
+    url = make_run(tmp_path / "run", {**CONFIG, "trainer": tc})
+    trainer(url)
+    assert [c.step for c in list_checkpoints(RunDir(url))] == kept
+
+
 def test_a_resumed_trainer_publishes_the_version_its_checkpoint_was_taken_for(tmp_path):
     """Killed after the checkpoint of step N but before version N was committed (its background
     publication had not finished), the trainer publishes version N when it resumes from that
