@@ -5,8 +5,8 @@ names them; entry N is created with a create-only write (`storage.put_if_absent`
 local/NFS, `If-None-Match: *` on S3, generation match 0 on GCS), so exactly one of several
 concurrent committers gets each number and the log is a total order every process agrees on. Its
 files (logfiles.py): entry N {"sum", "format", "v", "txn", "time", "writer", "actions" (actions.py)};
-a checkpoint every `checkpoint_interval` entries; `_last_checkpoint`, where opening starts (may lag,
-never ahead); `_tip`, where contending appenders of a remote log start (a hint, never trusted).
+a checkpoint every `checkpoint_interval` entries (the newest KEPT_CHECKPOINTS stay); `_last_checkpoint`,
+where opening starts (may lag, never ahead); `_tip`, where contending appenders start (a hint).
 
 Opening reads the pointer, one checkpoint and the few entries after it, so it costs O(1) files
 whatever the history length. Keeping up reads only entries past the last version seen, probing N+1,
@@ -35,7 +35,7 @@ from typing import Callable, Sequence
 
 from fsspec.implementations.memory import MemoryFileSystem
 
-from ..storage import is_local, join, list_names, put_atomic, put_if_absent, read_bytes
+from ..storage import delete, is_local, join, list_names, put_atomic, put_if_absent, read_bytes
 from .actions import ACTION_TYPES, Action, AddShard, LogEntry, MalformedEntry, Quarantine, UnknownAction
 from .logfiles import (LOG_DIR, LOG_FORMAT, POINTER, TIP, CommitConflict, CorruptLog, UnsupportedLogFormat,
                        check_format, checkpoint_name, entry_name, is_int, seal, shards_still_live, unseal, unusable)
@@ -50,6 +50,7 @@ _REMOTE_PROBE = 8  # most entries read in parallel when catching up on remote st
 _CONTENDED_APPENDS = 16  # appends that use and update the tip hint after one another appender wrote
 _BACKOFF_MAX = 8  # after a lost race on remote storage, wait up to this many round trips (times misses)
 _BLIND_TRIES = 4  # lost add-only races before catching up with the log instead of trying the next number
+KEPT_CHECKPOINTS = 3  # state checkpoints kept: the newest few (readers that listed one may still read it)
 STALE_VIEW_S = 600.0  # unread this long, a committer catches up first (vacuum.MIN_LOG_RETENTION_S)
 
 
@@ -279,7 +280,8 @@ class CommitLog:
                 self.state.apply(entry)
                 if self._notices is not None:
                     self._notices.committed(entry.version, writer, data)
-                self._maybe_checkpoint(entry.version)
+                if self.checkpoint_interval and entry.version % self.checkpoint_interval == 0:
+                    self.write_checkpoint()
                 return entry.version
             for got in self.refresh():
                 if got.txn == txn:  # our PUT landed but its answer was lost and retried
@@ -376,10 +378,6 @@ class CommitLog:
                 self._load_checkpoint(ptr)
         self.refresh()
 
-    def _maybe_checkpoint(self, version: int) -> None:
-        if self.checkpoint_interval and version % self.checkpoint_interval == 0:
-            self.write_checkpoint()
-
     def write_checkpoint(self) -> int:
         """Serialise the current state; any process may do it (create-only, same content)."""
         v = self.state.version
@@ -388,6 +386,8 @@ class CommitLog:
         put_if_absent(self.fs, join(self.dir, checkpoint_name(v)), seal(doc), self.fsync, own_check=False)
         if self.last_checkpoint() < v:  # a racing older pointer is harmless: opening just reads more
             put_atomic(self.fs, join(self.dir, POINTER), json.dumps({"v": v}).encode(), fsync=self.fsync)
+        if self.checkpoint_interval and v > KEPT_CHECKPOINTS * self.checkpoint_interval:  # each holds the state,
+            delete(self.fs, join(self.dir, checkpoint_name(v - KEPT_CHECKPOINTS * self.checkpoint_interval)))  # O(n)
         return v
 
     # maintenance ------------------------------------------------------------------------------

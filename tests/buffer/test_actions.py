@@ -164,7 +164,7 @@ def test_the_old_config_key_num_epochs_per_sample_still_sets_max_replays_per_gro
     assert cfg.buffer.max_replays_per_group == 3 and "max_replays_per_group: 3" in cfg.to_yaml()
     assert parse_config({}, ["buffer.num_epochs_per_sample=1"]).buffer.max_replays_per_group == 1
     assert BufferConfig(num_epochs_per_sample=0).max_replays_per_group == 0
-    with pytest.raises(ConfigError, match="unknown config key 'buffer.num_epochs_per_sample'"):  # not both
+    with pytest.raises(ConfigError, match="'buffer.num_epochs_per_sample' is the old name of"):  # not both
         parse_config({"buffer": {"num_epochs_per_sample": 3, "max_replays_per_group": 1}})
 
 
