@@ -5,7 +5,7 @@
                        the actions they hold: actions.py; the state they give: state.py)
       l1/              fresh shards, one per sampler batch (writer.py)
       l2/              promoted groups for replay (promotion.py, replay.py)
-      l3/run=<id>/policy=<v>/part-*.parquet   archive (archive.py)
+      l3/run=<id>/     archive: part-*.parquet of up to compact_target_rows rows (archive.py)
 
 Tiers and their bounds (BufferConfig):
 

@@ -6,6 +6,7 @@ import pyarrow.parquet as pq
 from rollout_factory import make_groups
 
 from pipeline.buffer import ReplayBuffer
+from pipeline.buffer.schema import ROLLOUT_SCHEMA
 from pipeline.config import BufferConfig
 
 
@@ -31,27 +32,57 @@ def test_compaction_archives_only_consumed_shards(buffer_url):
     assert rest.num_rows == (12 - 7) * 4
 
 
-def test_archive_is_partitioned_by_run_and_policy_and_readable_by_pyarrow_and_duckdb(tmp_path):
+def test_archive_is_partitioned_by_run_and_readable_by_pyarrow_and_duckdb(tmp_path):
     url = str(tmp_path / "run-7" / "buffer")
     buf = ReplayBuffer(url, BufferConfig(checkpoint_interval=5))
     shards = _fill(buf, 5)
     out = buf.compact(everything=True)
-    assert out["l1_shards_in"] == 5 and out["l3_files_out"] == 2
-    files = buf.archive_files()
-    assert all("/l3/run=run-7/policy=" in f for f in files)
-    for f in files:
-        assert pq.ParquetFile(f.removeprefix("file://")).metadata.row_group(0).column(0).compression == "ZSTD"
+    assert out["l1_shards_in"] == 5 and out["l3_files_out"] == 1
+    [f] = buf.archive_files()
+    assert "/l3/run=run-7/part-" in f
+    assert pq.ParquetFile(f.removeprefix("file://")).metadata.row_group(0).column(0).compression == "ZSTD"
     t = buf.archive_dataset().to_table()
     assert sorted(t.column("sample_id").to_pylist()) == sorted(pa.concat_tables(shards).column("sample_id").to_pylist())
     assert set(t.column("run").to_pylist()) == {"run-7"}
-    assert all(a == b for a, b in zip(t.column("policy").to_pylist(), t.column("policy_version").to_pylist()))
-    file_list = ", ".join(f"'{f.removeprefix('file://')}'" for f in files)
-    rows = duckdb.sql(f"select policy, count(*) from read_parquet([{file_list}], hive_partitioning=true) "
-                      "group by policy order by policy").fetchall()
+    rows = duckdb.sql(f"select policy_version, count(*) from read_parquet(['{f.removeprefix('file://')}'], "
+                      "hive_partitioning=true) group by policy_version order by policy_version").fetchall()
     assert rows == [(0, 3 * 8), (1, 2 * 8)]
 
 
-def test_small_archive_files_of_a_partition_are_merged(buffer_url):
+def test_an_archive_file_holds_many_versions_sorted_with_whole_groups(tmp_path):
+    """A partition per policy version made one archive file per trainer step: no compaction."""
+    buf = ReplayBuffer(str(tmp_path / "r" / "buffer"), BufferConfig(checkpoint_interval=5))
+    _fill(buf, 6, versions=(2, 0, 1))
+    assert buf.compact(everything=True)["l3_files_out"] == 1
+    [info] = buf.refresh().tier_shards("l3")
+    t = buf.load_shard(info)
+    assert t.column("policy_version").to_pylist() == sorted(t.column("policy_version").to_pylist())
+    gids = t.column("group_id").to_pylist()
+    assert all(gids[i:i + 4] == [gids[i]] * 4 for i in range(0, len(gids), 4))  # each group's 4 rows together
+    assert tuple(info.pv) == (0, 2)
+
+
+def test_an_archive_written_per_version_reads_with_new_files(tmp_path):
+    """Files in `policy=<version>` folders (the earlier layout) and new ones form one dataset."""
+    from pipeline.buffer.actions import AddShard
+    from pipeline.buffer.shards import encode, group_layout, policy_range, write_shard
+
+    buf = ReplayBuffer(str(tmp_path / "r" / "buffer"), BufferConfig(checkpoint_interval=5))
+    old, sizes = group_layout(make_groups("old", 2, policy_version=3).set_column(
+        ROLLOUT_SCHEMA.get_field_index("tier"), "tier", pa.array(["l3"] * 8)))
+    data = encode(old, "zstd")
+    write_shard(buf.fs, buf.root, "l3/run=r/policy=3/part-old.parquet", data)
+    buf.commit([AddShard("l3/run=r/policy=3/part-old.parquet", "l3", 8, len(data), tuple(sizes), policy_range(old),
+                         0.0)])
+    _fill(buf, 2)
+    buf.compact(everything=True)
+    t = buf.archive_dataset().to_table()
+    assert t.num_rows == 8 + 16 and set(t.column("policy").to_pylist()) == {3, None}
+    assert buf.compact()["l3_files_in"] == 2  # the small files merge across the layouts
+    assert buf.archive_dataset().to_table().num_rows == 24
+
+
+def test_small_archive_files_are_merged(buffer_url):
     buf = ReplayBuffer(buffer_url, BufferConfig(checkpoint_interval=5, compact_target_rows=1000))
     files = []
     for i in range(4):

@@ -68,6 +68,26 @@ def _rollouts(pids: list[str], first: int, n_groups: int, rng) -> pa.Table:
     return pa.table(cols, schema=ROLLOUT_SCHEMA)
 
 
+def _archive_per_version(buf: ReplayBuffer) -> None:
+    """Archive L1 as compaction once did, a `policy=<version>` folder per version: a group whose rows
+    were made by two versions lies in two files, which exports must put back together."""
+    from pipeline.buffer.actions import AddShard, RemoveShard
+    from pipeline.buffer.shards import encode, group_layout, policy_range, write_shard
+
+    l1 = buf.refresh().tier_shards("l1")
+    table = pa.concat_tables([buf.load_shard(s) for s in l1])
+    table = table.set_column(table.schema.get_field_index("tier"), "tier", pa.array(["l3"] * table.num_rows))
+    actions = [RemoveShard(s.path) for s in l1]
+    for pv in sorted(pc.unique(table.column("policy_version")).to_pylist()):
+        part, sizes = group_layout(table.filter(pc.equal(table.column("policy_version"), pv)))
+        for k in range(0, part.num_rows, 1000):
+            chunk, rel = part.slice(k, 1000), f"l3/run=synth/policy={pv}/part-{k}.parquet"
+            data = encode(chunk, "zstd")
+            write_shard(buf.fs, buf.root, rel, data)
+            actions.append(AddShard(rel, "l3", chunk.num_rows, len(data), (), policy_range(chunk), 0.0))
+    buf.commit(actions)
+
+
 def make_run(url: str) -> RunDir:
     run = RunDir(url)
     run.create(parse_config(yaml.safe_load((REPO / "configs" / "tiny-test.yaml").read_text())))
@@ -80,7 +100,7 @@ def make_run(url: str) -> RunDir:
     with buf.writer("w") as w:
         for t in tables:
             w.write(t)
-    buf.compact(everything=True)
+    _archive_per_version(buf)
     lineage = LineageWriter(run, 0)  # v1: two groups that are not archived; v2: 0..63; v3: 64..127, replays
     lineage.add(_rollouts(pids, 10_000, 2, rng), step=1, update=1, version=1, kind="fresh", stats={})
     whole = pa.concat_tables(tables)
