@@ -146,7 +146,8 @@ class TrainerWatch:
         now = self.clock()
         seen, records = len(self.records), self.reader.read()
         if len(records) < seen or (seen and records[seen - 1] is not self.records[seen - 1]):
-            seen, self._max_step = 0, 0  # the stream was replaced (a resumed trainer drops redone steps)
+            # the stream was replaced (a resumed trainer drops the steps it redoes): redone steps are progress
+            seen, self._max_step, self.last_step = 0, 0, None
         self.records = records
         step = self._max_step = max([self._max_step, *(int(r["step"]) for r in records[seen:]
                                                         if isinstance(r.get("step"), (int, float)))])

@@ -76,7 +76,11 @@ def test_the_watch_follows_a_stream_a_resumed_trainer_replaced(run):
     log_steps(run, range(1, 11))
     watch.poll()
     run.metrics("trainer").replace([r for r in run.read_metrics("trainer") if r["step"] <= 4])
-    log_steps(run, [5])
+    now[0] = 1.0
     watch.poll()
-    now[0] = 11.0
-    assert "last step 5" in watch.poll()[1]
+    for t, step in ((8.0, 5), (16.0, 6), (24.0, 7)):  # the steps it redoes, each within the timeout
+        log_steps(run, [step])
+        now[0] = t
+        assert watch.poll()[1] is None, step
+    now[0] = 35.0
+    assert "last step 7" in watch.poll()[1]
