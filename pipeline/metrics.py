@@ -89,21 +89,24 @@ class StreamReader:
         self._head = run.path(f"metrics/{stream}.jsonl")
         self._keep_head = not is_local(run.fs)
         self._read: dict[str, list[dict]] = {}  # path -> its records
-        self._at: tuple[int, int, int] | None = None  # local head: (device, inode, bytes parsed)
+        self._at: tuple | None = None  # local head: (device, inode, bytes parsed, the last of them)
 
     def _read_local_head(self) -> list[dict]:
-        """The local `<stream>.jsonl`'s records, parsing only the whole lines added since the last read."""
+        """The local `<stream>.jsonl`'s records, parsing only the whole lines added since the last
+        read. Another file in its place (`replace`; a freed inode number is soon reused) is told by
+        its inode, its size or the bytes before where the last read ended, and read from its start."""
         with open(self._head, "rb") as f:
             st = os.fstat(f.fileno())
-            dev, ino, done = self._at if self._at is not None else (None, None, 0)
+            dev, ino, done, tail = self._at if self._at is not None else (None, None, 0, b"")
             out = self._read.get(self._head)
-            if (dev, ino) != (st.st_dev, st.st_ino) or st.st_size < done or out is None:
-                done, out = 0, []  # another file (replaced) or a first read
+            if (dev, ino) != (st.st_dev, st.st_ino) or st.st_size < done or out is None or \
+                    (f.seek(done - len(tail)), f.read(len(tail)))[1] != tail:
+                done, out, tail = 0, [], b""
             f.seek(done)
             raw = f.read()
         end = raw.rfind(b"\n") + 1  # a last line without its newline may be being appended: next time
         _parse(raw[:end], out)
-        self._at = (st.st_dev, st.st_ino, done + end)
+        self._at = (st.st_dev, st.st_ino, done + end, (tail + raw[:end])[-256:])
         return out
 
     def read(self) -> list[dict]:
