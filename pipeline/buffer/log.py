@@ -5,15 +5,14 @@ names them; entry N is created with a create-only write (`storage.put_if_absent`
 local/NFS, `If-None-Match: *` on S3, generation match 0 on GCS), so exactly one of several
 concurrent committers gets each number and the log is a total order every process agrees on. Its
 files (logfiles.py): entry N {"sum", "format", "v", "txn", "time", "writer", "actions" (actions.py)};
-a checkpoint every `checkpoint_interval` entries (the newest KEPT_CHECKPOINTS stay); `_last_checkpoint`,
+a checkpoint every `checkpoint_interval` entries (a writer keeps its newest few); `_last_checkpoint`,
 where opening starts (may lag, never ahead); `_tip`, where contending appenders start (a hint).
 
 Opening reads the pointer, one checkpoint and the few entries after it, so it costs O(1) files
 whatever the history length. Keeping up reads only entries past the last version seen, probing N+1,
 N+2, ... until one is missing: no listing of the whole log. A process does not read back the entries
-it appended itself (it keeps them until its state reaches them). Entries only ever appear in order:
-a committer creates N+1 only after seeing N exist. So the log is always a contiguous run of numbers,
-which is what lets readers stop at the first missing one.
+it appended itself (it keeps them until its state reaches them). A committer creates N+1 only after
+seeing N exist, so the log is a contiguous run of numbers: readers stop at the first missing one.
 
 A file changed after it was written fails its checksum (`"sum"`, logfiles.py). An entry that cannot
 be used (torn by a machine crash, changed, copied under another number, missing a field) still takes
@@ -50,7 +49,7 @@ _REMOTE_PROBE = 8  # most entries read in parallel when catching up on remote st
 _CONTENDED_APPENDS = 16  # appends that use and update the tip hint after one another appender wrote
 _BACKOFF_MAX = 8  # after a lost race on remote storage, wait up to this many round trips (times misses)
 _BLIND_TRIES = 4  # lost add-only races before catching up with the log instead of trying the next number
-KEPT_CHECKPOINTS = 3  # state checkpoints kept: the newest few (readers that listed one may still read it)
+KEPT_CHECKPOINTS = 3  # state checkpoints each writer keeps: its newest few (a reader may still be reading one)
 STALE_VIEW_S = 600.0  # unread this long, a committer catches up first (vacuum.MIN_LOG_RETENTION_S)
 
 
@@ -60,15 +59,14 @@ class CommitLog:
     def __init__(self, fs, root: str, checkpoint_interval: int = 50, writer: str = "",
                  tombstone_retention_s: float = 3600.0, fsync: bool = True):
         self.fs, self.fsync, self.root, self.dir = fs, fsync, root, join(root, LOG_DIR)
-        # vacuum needs a removed file's removal time only until the grace period has passed: after
-        # that its modification time (never later than its removal) is just as safe to go by
+        # vacuum needs a removed file's removal time only for its grace period: then its mtime will do
         self.tombstone_retention_s = tombstone_retention_s
         self.checkpoint_interval, self.writer = checkpoint_interval, writer
         self.state = BufferState()
         self.files_read = 0  # entries + checkpoints read; opening cost is visible in tests/bench
         self.pointer_check_interval_s = 5.0  # how often a reader that sees no new entry checks retention
-        self._last_pointer_check = 0.0
-        self._opened = False
+        self._last_pointer_check, self._opened = 0.0, False
+        self._written: list[int] = []  # the checkpoints this process wrote, newest last
         self._seen = time.monotonic()  # when this view was last brought up to date (read)
         self._tip = 0  # highest version this process knows to exist (its own blind appends included)
         self._own: dict[int, LogEntry] = {}  # entries this process appended past its state: not read back
@@ -386,8 +384,10 @@ class CommitLog:
         put_if_absent(self.fs, join(self.dir, checkpoint_name(v)), seal(doc), self.fsync, own_check=False)
         if self.last_checkpoint() < v:  # a racing older pointer is harmless: opening just reads more
             put_atomic(self.fs, join(self.dir, POINTER), json.dumps({"v": v}).encode(), fsync=self.fsync)
-        if self.checkpoint_interval and v > KEPT_CHECKPOINTS * self.checkpoint_interval:  # each holds the state,
-            delete(self.fs, join(self.dir, checkpoint_name(v - KEPT_CHECKPOINTS * self.checkpoint_interval)))  # O(n)
+        self._written.append(v)  # each holds the whole state: all kept, they took O(n^2) space; every writer
+        for old in self._written[:-KEPT_CHECKPOINTS]:  # keeps its newest few (the pointer names one of them)
+            delete(self.fs, join(self.dir, checkpoint_name(old)))
+        del self._written[:-KEPT_CHECKPOINTS]
         return v
 
     # maintenance ------------------------------------------------------------------------------

@@ -154,6 +154,28 @@ def test_only_the_newest_log_checkpoints_stay_and_the_log_opens_the_same(buffer_
     assert buf.verify()["ok"]
 
 
+def test_with_several_writers_each_keeps_its_newest_log_checkpoints(tmp_path):
+    """Appenders catch up before they checkpoint, so checkpoints land at any version: each writer
+    deletes its own older ones, and the one the pointer names stays."""
+    import time
+
+    import fsspec
+
+    from pipeline.buffer.actions import AddShard
+    from pipeline.buffer.log import KEPT_CHECKPOINTS, CommitLog
+
+    fs = fsspec.filesystem("file")
+    logs = [CommitLog(fs, str(tmp_path), checkpoint_interval=5, writer=w, fsync=False) for w in "abc"]
+    for i in range(200):
+        for w, lg in zip("abc", logs):
+            lg.commit([AddShard(f"l1/{w}-{i}.parquet", "l1", 1, 10, (1,), (0, 0), time.time())])
+    reader = CommitLog(fs, str(tmp_path), checkpoint_interval=5)
+    kept = reader.checkpoint_versions()
+    assert len(kept) <= 3 * KEPT_CHECKPOINTS and reader.last_checkpoint() in kept
+    reader.refresh()
+    assert reader.state.version == 600 and reader.files_read <= 1 + 5
+
+
 def test_an_admit_check_sees_the_groups_another_process_committed_since_the_writer_last_looked(buffer_url):
     ours, theirs = ReplayBuffer(buffer_url), ReplayBuffer(buffer_url)
     assert ours.committed_groups() == 0  # our view of the log, before the other process commits
