@@ -1,7 +1,7 @@
 """L3 cold tier: compaction of consumed L1 shards into large zstd files, and archive retention.
 
 Files land under `l3/run=<run_id>/part-<id>.parquet` (Hive partitioning by run), each of up to
-`compact_target_rows` rows sorted by `policy_version` (whole groups kept together); a file's
+`compact_target_rows` rows ordered by `policy_version` (a group's rows stay together); a file's
 version range is in the log and in its Parquet statistics, so a reader filtering on versions skips
 whole files. A partition per version made a file per trainer step, no compaction at all: 3000
 files of 17 KB for a 3000-step run. Archives written with `policy=<version>` folders read as before, with a `policy`
@@ -62,8 +62,9 @@ def _chunks(shards: list[ShardInfo], max_rows: int) -> list[list[ShardInfo]]:
 
 def compact(buf: "ReplayBuffer", everything: bool = False, consumer: str = "trainer") -> dict:
     """Archive consumed L1 shards (all L1 shards with `everything`, e.g. when a run finishes) into
-    L3 and merge small L3 files of the same partition. Returns counts of what was done."""
+    L3 and merge small L3 files. Returns counts of what was done."""
     cfg = buf.config
+    dropped = enforce_l3_limits(buf)["l3_dropped"]  # first: a merge would carry expired rows along
     st = buf.refresh()
     l1 = st.tier_shards("l1")
     if not everything:
@@ -83,7 +84,7 @@ def compact(buf: "ReplayBuffer", everything: bool = False, consumer: str = "trai
         done["l3_files_in"] += sum(1 for s in chunk if s.tier == "l3")
         done["l3_files_out"] += out
         done["rows"] += sum(s.rows for s in chunk)
-    done.update(enforce_l3_limits(buf))
+    done["l3_dropped"] = dropped + enforce_l3_limits(buf)["l3_dropped"]
     return done
 
 
@@ -115,16 +116,20 @@ def _compact_chunk(buf: "ReplayBuffer", chunk: list[ShardInfo]) -> int:
     data = encode(table, "zstd")
     rel = f"l3/run={run_id_of(buf)}/part-{uuid.uuid4().hex}.parquet"
     write_shard(buf.fs, buf.root, rel, data, fsync=True)  # inputs go once this commits
-    add = AddShard(rel, "l3", table.num_rows, len(data), tuple(gsizes), policy_range(table), time.time())
+    # a merge of archive files keeps their newest time (retention goes by it); a compaction of L1 takes now
+    t = max((s.t for s in chunk if s.tier == "l3"), default=None) or time.time()
+    add = AddShard(rel, "l3", table.num_rows, len(data), tuple(gsizes), policy_range(table), t)
     buf.commit([*(RemoveShard(p) for p in inputs), add], precondition=shards_still_live(inputs, "compaction inputs"))
     return 1
 
 
 def enforce_l3_limits(buf: "ReplayBuffer") -> dict:
-    """Drop archive files past `l3_retention_s`, then the oldest until `l3_max_rows` holds."""
+    """Drop archive files past `l3_retention_s` (by their time: a merged file's is its newest
+    input's), then those of the oldest policy versions until `l3_max_rows` holds (a merged file is
+    committed last whatever its rows' age)."""
     cfg = buf.config
     st = buf.refresh()
-    files = st.tier_shards("l3")  # commit order: oldest first
+    files = sorted(st.tier_shards("l3"), key=lambda s: (s.pv[0], s.pv[1]))  # oldest rows first
     now = time.time()
     drop = []
     if cfg.l3_retention_s is not None:

@@ -139,3 +139,32 @@ def test_compaction_keeps_what_a_reader_restarting_from_its_checkpoint_reads_aga
     assert again.num_rows == (12 - 4) * 4
     buf.mark_resumable(live)  # a later checkpoint lets the rest go
     assert buf.compact()["l1_shards_in"] == 3
+
+
+def _day(buf, versions):
+    with buf.writer("w") as w:
+        for i, v in enumerate(versions):
+            w.write(make_groups(f"v{v}-{i}", 2, policy_version=v, seed=v))
+    buf.compact(everything=True)
+
+
+def test_merged_archive_files_keep_their_age_for_retention_and_the_row_bound(tmp_path, monkeypatch):
+    """Small files of three compactions, a day apart: a merge must neither carry rows past
+    l3_retention_s along nor make old rows look newest to l3_max_rows."""
+    from pipeline.buffer import archive
+
+    clock = [1e9]
+    monkeypatch.setattr(archive.time, "time", lambda: clock[0])
+    url = str(tmp_path / "r" / "buffer")
+    for d, versions in enumerate([[0, 1], [2, 3], [4, 5]]):
+        clock[0] = 1e9 + d * 86400.0
+        _day(ReplayBuffer(url, BufferConfig(checkpoint_interval=5, l3_retention_s=1.5 * 86400.0)), versions)
+    left = ReplayBuffer(url).archive_dataset().to_table()
+    assert sorted(set(left.column("policy_version").to_pylist())) == [2, 3, 4, 5]  # day 0's rows expired
+
+    url = str(tmp_path / "s" / "buffer")
+    _day(ReplayBuffer(url, BufferConfig(checkpoint_interval=5)), [0, 1])
+    _day(ReplayBuffer(url, BufferConfig(checkpoint_interval=5)), [2, 3])
+    _day(ReplayBuffer(url, BufferConfig(checkpoint_interval=5, l3_max_rows=40)), [4, 5])
+    left = ReplayBuffer(url).archive_dataset().to_table()
+    assert sorted(set(left.column("policy_version").to_pylist())) == [4, 5]  # the oldest rows went first
