@@ -307,7 +307,9 @@ class Trainer:
         tc = self.tc
         if tc.checkpoint_every and self.state.step % tc.checkpoint_every == 0:
             return True
-        late = bool(tc.checkpoint_every_s) and time.monotonic() - self._saved_at >= tc.checkpoint_every_s
+        if not tc.checkpoint_every_s:  # the same config on every rank: no collective
+            return False
+        late = time.monotonic() - self._saved_at >= tc.checkpoint_every_s
         return bool(self.world.max_int(int(late and self.world.is_main))) if self.world.distributed else late
 
     def _mark_resumable(self) -> None:
