@@ -11,10 +11,10 @@ import copy
 from pathlib import Path
 from typing import Any, Literal
 
-import yaml
-from pydantic import AliasChoices, BaseModel, ConfigDict, Field, JsonValue, ValidationError, field_validator, model_validator
+from pydantic import (AliasChoices, BaseModel, ConfigDict, Field, JsonValue, ValidationError, ValidationInfo, field_validator,
+                      model_validator)
 
-from .config_yaml import ConfigError, apply_overrides, one_line, read_config_file, show_value
+from .config_yaml import ConfigError, apply_overrides, dump_yaml, one_line, read_config_file
 from .locations import validate_input_url, validate_run_id
 from .tracking_config import TrackingConfig
 
@@ -140,11 +140,9 @@ class SamplerConfig(_Section):
     @field_validator("vllm")
     @classmethod
     def _vllm_options(cls, v: dict) -> dict:
-        clash = [k for k in v if k in VLLM_RESERVED_OPTIONS]
-        if clash:
-            raise ValueError(f"'{clash[0]}' is set by the pipeline (from model.path, model.dtype, "
-                             "model.trust_remote_code, seed); remove it from sampler.vllm")
-        return v
+        from .config_checks import check_vllm_options
+
+        return check_vllm_options(v, VLLM_RESERVED_OPTIONS)
 
     @model_validator(mode="after")
     def _vllm_top_p(self) -> "SamplerConfig":
@@ -236,7 +234,7 @@ class TrainerConfig(_Section):
     def _rendezvous(cls, v: str | None) -> str | None:
         from .config_checks import check_endpoint
 
-        return v if v is None else check_endpoint(v)
+        return check_endpoint(v) if v else None
     sync_every: int = Field(1, gt=0)
     """Publish a new policy version for the sampler every N steps."""
     gradient_checkpointing: bool = False
@@ -257,12 +255,12 @@ class TrainerConfig(_Section):
     """Stop a run whose trainer records no new step for this long: `rlhf run` stops its engines (the same command resumes), the Airflow trainer task fails (its retries take over) and sends a stall alert; 0 = never."""
 
     @model_validator(mode="after")
-    def _rules(self) -> "TrainerConfig":
+    def _rules(self, info: ValidationInfo) -> "TrainerConfig":
         from .config_checks import check_trainer
 
         if self.algorithm == "ppo" and "replay_rows" not in self.model_fields_set:
             self.replay_rows = "all"  # the default for group algorithms; ppo has no group advantages
-        check_trainer(self)
+        check_trainer(self, frozen=bool((info.context or {}).get("frozen")))
         return self
 
 
@@ -357,40 +355,21 @@ class RunConfig(_Section):
         return self
 
     def to_yaml(self) -> str:
-        return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
+        return dump_yaml(self.model_dump(mode="json"))
 
 
-def _format_error(err: ValidationError) -> str:
-    e = err.errors()[0]
-    loc = ".".join(str(p) for p in e["loc"]) or "config"
-    kind = e["type"]
-    if kind == "extra_forbidden":
-        parent = e["loc"][:-1]
-        model: type[BaseModel] = RunConfig
-        for p in parent:
-            field = model.model_fields.get(str(p))
-            if field is None or not (isinstance(field.annotation, type)
-                                     and issubclass(field.annotation, BaseModel)):
-                break
-            model = field.annotation
-        for name, f in model.model_fields.items():  # an old name given beside the new one
-            if isinstance(f.validation_alias, AliasChoices) and e["loc"][-1] in f.validation_alias.choices:
-                return f"config key '{loc}' is the old name of '{'.'.join(map(str, parent + (name,)))}'; give only one of them"
-        return f"unknown config key '{loc}'; remove it or use one of: {', '.join(model.model_fields)}"
-    if kind == "value_error":
-        msg = str(e.get("ctx", {}).get("error", e["msg"]))
-        return msg if loc == "config" or msg.startswith(loc + ".") else f"{loc}: {msg}"
-    return f"{loc}: {e['msg'].rstrip('.')} (got {show_value(e.get('input'))}); fix the value of '{loc}'"
+def parse_config(data: dict | None, overrides: list[str] | None = None, frozen: bool = False) -> RunConfig:
+    """`frozen`: a run directory's config.yaml, which a run took as valid: the rules that only
+    refuse settings that would be ignored (`pipeline.config_checks`) do not apply to it."""
+    from .config_checks import format_error
 
-
-def parse_config(data: dict | None, overrides: list[str] | None = None) -> RunConfig:
     if not isinstance(data, (dict, type(None))):
         raise ConfigError(f"config: top level is a {type(data).__name__}; it must be a mapping of sections")
     data = apply_overrides(copy.deepcopy(data or {}), overrides)  # the caller's dict stays as it was
     try:
-        return RunConfig.model_validate(data)
+        return RunConfig.model_validate(data, context={"frozen": frozen})
     except ValidationError as err:
-        raise ConfigError(one_line(_format_error(err))) from None
+        raise ConfigError(one_line(format_error(err, RunConfig))) from None
 
 
 def load_config(path: str | Path | None, overrides: list[str] | None = None) -> RunConfig:

@@ -10,22 +10,63 @@ from __future__ import annotations
 
 import re
 
-_ENDPOINT = re.compile(r"(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9._-]+):([0-9]{1,5})")
+from pydantic import AliasChoices, BaseModel, ValidationError
+
+from .config_yaml import show_value
+
+_ENDPOINT = re.compile(r"(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9._-]+)(:([0-9]{1,5}))?")
+_YAML11_BOOLS = {"yes", "no", "on", "off", "y", "n"}
 
 
 def check_endpoint(value: str) -> str:
-    """`value` if it is host:port with a port of 1-65535 (an IPv6 host in brackets)."""
+    """`value` if it is host[:port] with a port of 1-65535 (an IPv6 host in brackets; torchrun's
+    default port 29400 without one)."""
     m = _ENDPOINT.fullmatch(value)
-    if not m or not 0 < int(m.group(2)) < 65536:
+    if not m or (m.group(3) is not None and not 0 < int(m.group(3)) < 65536):
         raise ValueError(f"{value!r} is not host:port (e.g. node-0:29400, [fd00::1]:29400, port 1-65535)")
     return value
+
+
+def check_vllm_options(options: dict, reserved: tuple[str, ...]) -> dict:
+    """`sampler.vllm`: none of the engine arguments the backend sets itself, and no YAML 1.1 word
+    for a boolean (config files are read as YAML 1.2, where `no` is the string 'no', which is true)."""
+    clash = [k for k in options if k in reserved]
+    if clash:
+        raise ValueError(f"'{clash[0]}' is set by the pipeline (from model.path, model.dtype, "
+                         "model.trust_remote_code, seed); remove it from sampler.vllm")
+    for k, v in options.items():
+        if isinstance(v, str) and v.lower() in _YAML11_BOOLS:
+            raise ValueError(f"{k}: {v!r} is a string; write true or false")
+    return options
+
+
+def format_error(err: ValidationError, root: type[BaseModel]) -> str:
+    """The one line a config's first validation error becomes."""
+    e = err.errors()[0]
+    loc = ".".join(str(p) for p in e["loc"]) or "config"
+    if e["type"] == "extra_forbidden":
+        parent, model = e["loc"][:-1], root
+        for p in parent:
+            field = model.model_fields.get(str(p))
+            if field is None or not (isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel)):
+                break
+            model = field.annotation
+        for name, f in model.model_fields.items():  # an old name given beside the new one
+            if isinstance(f.validation_alias, AliasChoices) and e["loc"][-1] in f.validation_alias.choices:
+                return f"config key '{loc}' is the old name of '{'.'.join(map(str, parent + (name,)))}'; give only one of them"
+        return f"unknown config key '{loc}'; remove it or use one of: {', '.join(model.model_fields)}"
+    if e["type"] == "value_error":
+        msg = str(e.get("ctx", {}).get("error", e["msg"]))
+        return msg if loc == "config" or msg.startswith(loc + ".") else f"{loc}: {msg}"
+    return f"{loc}: {e['msg'].rstrip('.')} (got {show_value(e.get('input'))}); fix the value of '{loc}'"
 
 
 CRITIC_SETTINGS = ("critic_lr", "vf_coef", "gamma", "gae_lambda", "critic_targets", "vtrace_rho_bar", "vtrace_c_bar")
 
 
-def check_trainer(t) -> None:
-    """The rules within a `TrainerConfig`."""
+def check_trainer(t, frozen: bool = False) -> None:
+    """The rules within a `TrainerConfig`; `frozen` (a run directory's snapshot): not those that
+    only refuse settings the run would ignore."""
     if t.steps % t.phases:
         raise ValueError(f"trainer.phases={t.phases} does not divide trainer.steps={t.steps}; "
                          "choose phases so that every phase has the same number of steps")
@@ -33,7 +74,7 @@ def check_trainer(t) -> None:
         raise ValueError(f"trainer.replay_rows={t.replay_rows} picks rows by their group's advantage, which "
                          "algorithm ppo (a critic, token advantages) does not have; use replay_rows=all or a "
                          "group algorithm (grpo, dr_grpo, rloo, reinforce_pp)")
-    if t.algorithm != "ppo":  # a value other than the default would be silently ignored
+    if t.algorithm != "ppo" and not frozen:  # a value other than the default would be silently ignored
         unused = [k for k in CRITIC_SETTINGS if getattr(t, k) != type(t).model_fields[k].default]
         if unused:
             raise ValueError(f"{', '.join('trainer.' + k for k in unused)}: settings of the critic, which algorithm "

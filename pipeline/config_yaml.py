@@ -77,6 +77,23 @@ _YamlLoader.add_constructor(_CORE + "int", _core_int)
 _YamlLoader.add_constructor(_CORE + "float", _core_float)
 
 
+class _Dumper(yaml.SafeDumper):
+    """safe_dump that quotes a string that YAML 1.1 or 1.2 would read as something else (`1e3`,
+    `0o17`, `yes`), so that a run's config.yaml reads back the same with either."""
+
+    yaml_implicit_resolvers = {k: list(v) for k, v in yaml.SafeDumper.yaml_implicit_resolvers.items()}
+
+
+for _first, _resolvers in _YamlLoader.yaml_implicit_resolvers.items():
+    for _tag, _rx in _resolvers:
+        if _tag in _OLD_SCALARS:
+            _Dumper.yaml_implicit_resolvers.setdefault(_first, []).append((_tag, _rx))
+
+
+def dump_yaml(data: Any) -> str:
+    return yaml.dump(data, Dumper=_Dumper, sort_keys=False)
+
+
 def load_yaml_text(text: str) -> Any:
     """YAML text as Python values; ValueError with a one-line reason when it is not valid YAML."""
     try:
@@ -91,18 +108,11 @@ def _coerce_override(raw: str) -> Any:
     return load_yaml_text(raw) if raw != "" else ""
 
 
-def _merge(into: dict, new: dict) -> None:
-    for k, v in new.items():
-        if isinstance(v, dict) and isinstance(into.get(k), dict):
-            _merge(into[k], v)
-        else:
-            into[k] = v
-
-
 def apply_overrides(data: dict, overrides: list[str] | None) -> dict:
-    """Apply `a.b.c=value` overrides (values parsed as YAML) to a nested dict. A mapping value
-    merges into the mapping already there, key by key as dotted keys would (`trainer={steps: 5}`
-    sets steps and keeps the rest of the section; `trainer={}` changes nothing)."""
+    """Apply `a.b.c=value` overrides (values parsed as YAML) to a nested dict. A mapping given for
+    a section merges into it, key by key as dotted keys would (`trainer={steps: 5}` sets steps and
+    keeps the rest of the section; `trainer={}` changes nothing); any other value replaces what
+    was there, a free-form mapping such as `sampler.vllm={}` too."""
     if not isinstance(overrides, (list, tuple, type(None))):
         raise ConfigError(f"overrides: {show_value(overrides)} is not a list; pass a list of key=value strings")
     for item in overrides or []:
@@ -122,8 +132,8 @@ def apply_overrides(data: dict, overrides: list[str] | None) -> dict:
             value = _coerce_override(raw)
         except ValueError as e:
             raise ConfigError(f"override {show_value(item)}: the value is not valid YAML ({e}); quote it") from None
-        if isinstance(value, dict) and isinstance(node.get(parts[-1]), dict):
-            _merge(node[parts[-1]], value)
+        if len(parts) == 1 and isinstance(value, dict) and isinstance(node.get(parts[0]), dict):
+            node[parts[0]].update(value)
         else:
             node[parts[-1]] = value
     return data

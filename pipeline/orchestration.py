@@ -90,7 +90,8 @@ def validate_inputs(cfg: RunConfig) -> dict:
 
 
 def _model_folder(field: str, url: str) -> dict:
-    """The config.json of the Hugging Face model folder at `url`, checked for weights and a tokenizer."""
+    """The config.json of the Hugging Face model folder at `url`, checked for weights and a tokenizer
+    (a policy's as safetensors, which resharding reads; a reward model's in either format)."""
     from .locations import reaching
     from .storage import list_names, url_to_fs
 
@@ -99,16 +100,18 @@ def _model_folder(field: str, url: str) -> dict:
         if not fs.exists(path.rstrip("/") + "/config.json"):
             raise ConfigError(f"{field}: {url!r} is not a Hugging Face model folder (no config.json)")
         model_config = json.loads(fs.cat_file(path.rstrip("/") + "/config.json"))
-        check_model_files(url, list_names(fs, path.rstrip("/")), field)
+        check_model_files(url, list_names(fs, path.rstrip("/")), field, torch_weights=field != "model.path")
     return model_config
 
 
 def check_context(cfg: RunConfig, model_config: dict, url: str) -> None:
     """A prompt of data.max_prompt_tokens and the longest answer fit the model's positions."""
-    limit = model_config.get("max_position_embeddings") or (model_config.get("text_config") or {}).get(
-        "max_position_embeddings")
+    text = model_config.get("text_config") or model_config
+    limit, scaling = text.get("max_position_embeddings"), text.get("rope_scaling") or {}
     if not isinstance(limit, int):
         return
+    if isinstance(scaling.get("factor"), (int, float)) and scaling["factor"] > 1:  # YaRN and the like: more positions
+        limit = int(limit * scaling["factor"])
     for field, new in (("sampler.max_new_tokens", cfg.sampler.max_new_tokens), ("eval.max_new_tokens", cfg.eval.max_new_tokens)):
         if new is not None and cfg.data.max_prompt_tokens + new > limit:
             raise ConfigError(f"{field}={new} and data.max_prompt_tokens={cfg.data.max_prompt_tokens}: a prompt and its "
@@ -116,9 +119,11 @@ def check_context(cfg: RunConfig, model_config: dict, url: str) -> None:
                               f"{limit} positions (max_position_embeddings in {url}); lower one of them")
 
 
-def check_model_files(url: str, names: list[str], field: str = "model.path") -> None:
-    """A model folder holds its weights as safetensors, and a tokenizer."""
-    if not {"model.safetensors", "model.safetensors.index.json"} & set(names):
+def check_model_files(url: str, names: list[str], field: str = "model.path", torch_weights: bool = False) -> None:
+    """A model folder holds its weights as safetensors (or, with `torch_weights`, PyTorch's
+    pytorch_model.bin), and a tokenizer."""
+    weights = {"model.safetensors", "model.safetensors.index.json"}
+    if not (weights | ({"pytorch_model.bin", "pytorch_model.bin.index.json"} if torch_weights else set())) & set(names):
         raise ConfigError(f"{field}: {url!r} has no model.safetensors (nor model.safetensors.index.json); save "
                           "the model with save_pretrained(..., safe_serialization=True) to convert .bin weights")
     if not any(n.startswith(("tokenizer", "vocab")) or n.endswith((".tiktoken", "spiece.model")) for n in names):

@@ -234,7 +234,15 @@ class RunDir:
 
         try:
             existing = self.config()
-        except (ValueError, TypeError, yaml.YAMLError) as e:  # ConfigError, or not a YAML mapping
+        except ConfigError as e:
+            data = yaml.safe_load(read_bytes(self.fs, self.path("config.yaml")))
+            if isinstance(data, dict) and set(data) & set(RunConfig.model_fields):
+                raise ConfigError(f"run directory {self.url}: its config.yaml does not load ({e}); fix that setting "
+                                  f"in {self.path('config.yaml')} to resume the run, or choose a new or empty "
+                                  "folder") from None  # a run config this version does not take
+            raise ConfigError(f"run directory {self.url} holds a config.yaml that is not a run config of "
+                              f"rlhf-pipeline ({e}); choose a new or empty folder") from None
+        except (ValueError, TypeError, yaml.YAMLError) as e:  # not a YAML mapping
             raise ConfigError(f"run directory {self.url} holds a config.yaml that is not a run config of "
                               f"rlhf-pipeline ({e}); choose a new or empty folder") from None
         differ = run_differences(existing, config)
@@ -256,7 +264,9 @@ class RunDir:
             raw = read_bytes(self.fs, self.path("config.yaml"))
         except FileNotFoundError:
             raise ConfigError(f"{self.url} is not a run directory (no config.yaml); run `rlhf prepare` first") from None
-        return parse_config(yaml.safe_load(raw))
+        # written by `to_yaml`, whose strings read back the same under YAML 1.1 (this loader, as
+        # snapshots were always read) and 1.2; a run took it as valid (`frozen`)
+        return parse_config(yaml.safe_load(raw), frozen=True)
 
     # json objects -----------------------------------------------------------------------------
     def write_json(self, rel: str, obj: Any) -> None:

@@ -44,8 +44,9 @@ def test_replay_settings_that_leave_nothing_to_replay_are_refused_at_load_not_in
             "^buffer.l2_min_reward_mean=0.9 is above buffer.l2_max_reward_mean=0.1")
 
 
-@pytest.mark.parametrize("endpoint, ok", [("garbage", False), ("host:70000", False), ("h:0", False), ("'h:'", False),
-                                          ("node-0.svc:29400", True), ("'[fd00::1]:29400'", True)])
+@pytest.mark.parametrize("endpoint, ok", [("garbage!", False), ("host:70000", False), ("h:0", False), ("'h:'", False),
+                                          ("node-0.svc:29400", True), ("'[fd00::1]:29400'", True),
+                                          ("node-0", True), ("''", True)])  # torchrun's port 29400; automatic
 def test_the_rendezvous_is_host_and_port(endpoint, ok):
     if ok:
         load_config("configs/tiny-grpo.yaml", [f"trainer.rendezvous={endpoint}"])
@@ -55,6 +56,7 @@ def test_the_rendezvous_is_host_and_port(endpoint, ok):
 
 def test_vllm_options_the_pipeline_sets_itself_are_refused_at_load():
     refused(["sampler.vllm={dtype: half}"], "^sampler.vllm: 'dtype' is set by the pipeline")
+    refused(["sampler.vllm={enforce_eager: no}"], "^sampler.vllm: enforce_eager: 'no' is a string; write true or false")
 
 
 def test_critic_settings_are_refused_with_an_algorithm_that_has_no_critic():
@@ -64,6 +66,34 @@ def test_critic_settings_are_refused_with_an_algorithm_that_has_no_critic():
     for path in ("configs/tiny-ppo.yaml", "configs/tiny-grpo.yaml"):  # a frozen config holds every default
         cfg = load_config(path)
         assert parse_config(yaml.safe_load(cfg.to_yaml())) == cfg
+
+
+def test_a_run_directory_whose_settings_a_newer_rule_refuses_still_loads(tmp_path):
+    """A run whose config.yaml has a critic setting under grpo (ignored, as before the rule) resumes,
+    evaluates and exports; a new run with it is refused."""
+    from pipeline.rundir import RunDir
+
+    run = RunDir(f"file://{tmp_path}/old")
+    run.create(load_config("configs/tiny-grpo.yaml"))
+    frozen = yaml.safe_load(run.fs.cat_file(run.path("config.yaml")))
+    frozen["trainer"]["vf_coef"] = 0.3
+    run.fs.pipe_file(run.path("config.yaml"), yaml.safe_dump(frozen).encode())
+    assert run.config().trainer.vf_coef == 0.3
+    with pytest.raises(ConfigError, match="settings of the critic"):
+        parse_config(frozen)
+    frozen["sampler"]["poll_s"] = 200  # a value a run could not use: named, with where to fix it
+    run.fs.pipe_file(run.path("config.yaml"), yaml.safe_dump(frozen).encode())
+    with pytest.raises(ConfigError, match=r"its config.yaml does not load \(sampler.poll_s: .*\); fix that setting in"):
+        run.create(load_config("configs/tiny-grpo.yaml"))
+
+
+@pytest.mark.parametrize("text", ["1e3", "0o17", "yes", "2026-11-08", "1:30", "010", "~", "1_000"])
+def test_a_snapshot_reads_back_the_same_as_yaml_1_1_and_1_2(text):
+    from pipeline.config_yaml import load_yaml_text
+
+    cfg = parse_config({"run_id": text} if text not in ("~", "1:30") else {"model": {"path": text}})
+    dumped = cfg.to_yaml()
+    assert parse_config(yaml.safe_load(dumped)) == cfg == parse_config(load_yaml_text(dumped))
 
 
 def test_override_values_are_read_as_yaml_1_2():
@@ -80,6 +110,8 @@ def test_a_mapping_override_merges_into_its_section():
     assert data == {"trainer": {"lr": 5e-4, "micro_batch_tokens": 1024, "steps": 20}}
     data = apply_overrides(data, ["trainer={steps: 5, kl_coef: 0.01}"])
     assert data == {"trainer": {"lr": 5e-4, "micro_batch_tokens": 1024, "steps": 5, "kl_coef": 0.01}}
+    data = apply_overrides({"sampler": {"vllm": {"max_model_len": 4096}}}, ["sampler.vllm={}"])
+    assert data == {"sampler": {"vllm": {}}}  # a free-form mapping is replaced: this clears it
 
 
 def test_a_form_override_of_an_empty_section_keeps_the_form_and_the_file():

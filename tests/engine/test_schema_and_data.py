@@ -146,6 +146,32 @@ def test_answers_longer_than_the_models_positions_are_refused_at_prepare():
         "train": "builtin:sort", "eval": "builtin:sort", "max_prompt_tokens": 56}}))
 
 
+def test_rope_scaling_and_a_reward_models_torch_weights_pass_prepare(tmp_path):
+    """YaRN-style scaling gives a model more positions than max_position_embeddings; a reward model
+    is loaded by transformers, which reads pytorch_model.bin as well as safetensors."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file
+    import torch
+
+    from pipeline.config import parse_config
+    from pipeline.example import build_tiny_reward_model
+    from pipeline.orchestration import resolve_sources, validate_inputs
+
+    base = {"model": {"path": "builtin:digit"}, "data": {"train": "builtin:digit", "eval": "builtin:digit"}}
+    model = shutil.copytree(resolve_sources(parse_config(base))["model"], tmp_path / "model")
+    cfg = json.loads((model / "config.json").read_text())
+    cfg["rope_scaling"] = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256}
+    (model / "config.json").write_text(json.dumps(cfg))
+    validate_inputs(parse_config({**base, "model": {"path": str(model)}, "sampler": {"max_new_tokens": 600}}))
+    rm = tmp_path / "rm"
+    build_tiny_reward_model(str(rm), str(model))
+    torch.save(load_file(rm / "model.safetensors"), rm / "pytorch_model.bin")
+    (rm / "model.safetensors").unlink()
+    validate_inputs(parse_config({**base, "reward": {"kind": "model", "model": str(rm)}}))
+
+
 def test_a_prompt_that_renders_to_no_tokens_is_refused():
     with pytest.raises(ConfigError, match=r"data.train: prompt p1 \(data_source 's'\) renders to no tokens"):
         filter_overlong(_prompts("abc", ""), _CharTokenizer(), 4)
