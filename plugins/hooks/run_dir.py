@@ -9,6 +9,8 @@ blocking fsspec I/O: triggers call them through `asyncio.to_thread`.
 
 from __future__ import annotations
 
+import threading
+from collections import OrderedDict
 from typing import Any
 
 from airflow.sdk import BaseHook
@@ -37,6 +39,34 @@ def _downsample(points: list, limit: int = MAX_POINTS) -> list:
     stride = len(points) / limit
     picked = [points[int(i * stride)] for i in range(limit - 1)]
     return picked + [points[-1]]
+
+
+class _Readers:
+    """What the dashboard reads of one run again at every poll, kept between polls for the
+    `MAX_RUNS` runs viewed last: a `StreamReader` per metrics stream (each poll parses only the
+    records logged since the last) and the run's `ReplayBuffer` (each poll replays only the log
+    entries committed since the last). Without them a poll re-read every stream and the whole log:
+    O(steps) a poll, 5 s apart, for as long as the page is open. Keyed by the run's URL and the
+    time its directory was first prepared: a run directory deleted and made again at the same URL
+    is another run, read from its start."""
+
+    MAX_RUNS = 16
+    _cache: "OrderedDict[str, _Readers]" = OrderedDict()
+    _lock = threading.Lock()
+
+    def __init__(self) -> None:
+        self.streams: dict = {}
+        self.buffer = None
+        self.lock = threading.Lock()  # polls of one run (two open pages) take turns
+
+    @classmethod
+    def of(cls, url: str) -> "_Readers":
+        with cls._lock:
+            readers = cls._cache.pop(url, None) or cls()
+            cls._cache[url] = readers
+            while len(cls._cache) > cls.MAX_RUNS:
+                cls._cache.popitem(last=False)
+            return readers
 
 
 class RunDirHook(BaseHook):
@@ -113,14 +143,14 @@ class RunDirHook(BaseHook):
             self.run.request_stop(reason)
 
     # buffer ----------------------------------------------------------------------------------
-    def buffer(self):
+    def buffer(self, cfg=None):
         from pipeline.buffer import ReplayBuffer
 
-        return ReplayBuffer(self.run.buffer_url, self.run.config().buffer)
+        return ReplayBuffer(self.run.buffer_url, (cfg or self.run.config()).buffer)
 
-    def buffer_stats(self) -> dict | None:
+    def buffer_stats(self, buffer=None) -> dict | None:
         try:
-            return self.buffer().stats()
+            return (buffer or self.buffer()).stats()
         except FileNotFoundError:
             return None
 
@@ -153,8 +183,8 @@ class RunDirHook(BaseHook):
                     out.setdefault(f"eval/{key}", []).append([int(version), value])
         return out
 
-    def phases(self) -> list[dict]:
-        cfg = self.run.config()
+    def phases(self, cfg=None) -> list[dict]:
+        cfg = cfg or self.run.config()
         n_phases = int(getattr(cfg.trainer, "phases", 1) or 1)
         n_epochs = int(getattr(cfg.trainer, "replay_epochs", 0) or 0)
         names = set(self.run.markers())
@@ -172,18 +202,20 @@ class RunDirHook(BaseHook):
         return out
 
     def charts(self, phases: list[dict], versions: list[int], latest: int | None,
-               metrics: dict[str, list[dict]]) -> dict:
+               metrics: dict[str, list[dict]], cfg=None, buffer=None) -> dict:
         """The dashboard's chart data (`plugins.dashboard.series`): streams as columns over step
         and wall time, staleness histogram, activity and overlap, phase and gate events, buffer
-        tiers over time, a compact summary of the policy versions. `metrics`: {stream: records}."""
+        tiers over time, a compact summary of the policy versions. `metrics`: {stream: records};
+        `cfg`, `buffer`: the run's config and buffer, when the caller has them."""
         from plugins.dashboard import series
 
         run = self.run
+        cfg = cfg or run.config()
         trainer = metrics.get("trainer", [])
         samplers = {name: recs for name, recs in metrics.items() if name.startswith("sampler")}
         history = series.BufferHistory.of(run.buffer_url)
         try:
-            history.update(self.buffer().log)
+            history.update((buffer or self.buffer(cfg)).log)
         except FileNotFoundError:
             pass
         return {
@@ -193,20 +225,28 @@ class RunDirHook(BaseHook):
             "activity": series.activity(trainer, list(samplers.values())),
             "events": series.events(run, phases, trainer),
             "buffer_history": history.series(),
-            "versions": series.version_summary(versions, latest, run.config().trainer.sync_every, list(samplers.values())),
+            "versions": series.version_summary(versions, latest, cfg.trainer.sync_every, list(samplers.values())),
         }
 
     def status(self) -> dict:
         """Everything the dashboard shows, as one JSON-ready dict."""
         from pipeline.policy import PolicyStore
 
+        from pipeline.metrics import StreamReader
+
         run = self.run
-        cfg = run.config()
+        cfg = run.config()  # once a poll: parsing it was a third of a poll's time
         policy = PolicyStore(run)
         latest = policy.latest()
         versions = policy.versions()
-        phases = self.phases()
-        metrics = {name: run.read_metrics(name) for name in self.streams()}  # each stream read once a poll
+        phases = self.phases(cfg)
+        created = (run.read_json("prepare.json") or {}).get("created")
+        readers = _Readers.of(f"{run.url}#{created}")
+        with readers.lock:
+            metrics = {name: readers.streams.setdefault(name, StreamReader(run, name)).read() for name in self.streams()}
+            if readers.buffer is None:
+                readers.buffer = self.buffer(cfg)
+            buffer, buffer_stats = readers.buffer, self.buffer_stats(readers.buffer)
         return {
             "run_id": run.run_id,
             "run_url": run.url,
@@ -223,8 +263,8 @@ class RunDirHook(BaseHook):
             "phases": phases,
             "policy": {"latest": latest, "versions": versions,
                        "manifest": policy.manifest(latest) if latest is not None else None},
-            "buffer": self.buffer_stats(),
+            "buffer": buffer_stats,
             "curves": {**{name: self.curves(name, recs) for name, recs in metrics.items()}, "eval": self.eval_curve()},
             "summary": run.read_json("summary.json"),
-            "charts": self.charts(phases, versions, latest, metrics),
+            "charts": self.charts(phases, versions, latest, metrics, cfg, buffer),
         }

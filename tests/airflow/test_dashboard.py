@@ -121,17 +121,51 @@ def test_status_carries_the_chart_data_of_the_page(client, token, run):
 def test_a_status_poll_reads_each_metrics_stream_once(run, monkeypatch):
     from collections import Counter
 
+    from pipeline.metrics import StreamReader
     from plugins.hooks.run_dir import RunDirHook
 
     sampler = run.metrics("sampler-0")
     sampler.log({"sampler/batch": 1, "sampler/gen_tokens": 80, "time/start": 1.0, "time/end": 2.0})
     sampler.flush()
-    reads, read = Counter(), RunDir.read_metrics
-    monkeypatch.setattr(RunDir, "read_metrics", lambda self, name: reads.update([name]) or read(self, name))
+    reads, read = Counter(), StreamReader.read
+    monkeypatch.setattr(StreamReader, "read", lambda self: reads.update([self.stream]) or read(self))
     status = RunDirHook(run.url).status()
     assert reads == {"trainer": 1, "sampler-0": 1}
     assert status["curves"]["trainer"]["reward/mean"][-1] == [3, pytest.approx(0.3)]
     assert status["charts"]["streams"]["sampler-0"]["x"] == [1]
+
+
+def test_later_polls_parse_only_the_new_records_and_a_remade_run_is_read_from_its_start(run, monkeypatch):
+    import shutil
+
+    from pipeline import metrics
+    from pipeline.config import parse_config
+    from plugins.hooks.run_dir import RunDirHook
+
+    run.write_json("prepare.json", {"created": 1.0})
+    parsed, parse = [], metrics._parse
+    monkeypatch.setattr(metrics, "_parse", lambda raw, out: parsed.append(raw.count(b"\n")) or parse(raw, out))
+
+    def poll():
+        parsed.clear()
+        status = RunDirHook(run.url).status()  # a hook per poll, as the dashboard's requests make
+        return [p[0] for p in status["curves"]["trainer"]["reward/mean"]]
+
+    assert poll() == [1, 2, 3] and sum(parsed) == 3
+    log = run.metrics("trainer")
+    log.log({"step": 4, "reward/mean": 0.4})
+    log.flush()
+    assert poll() == [1, 2, 3, 4] and sum(parsed) == 1  # the one record logged since
+    stats = RunDirHook(run.url).status()["buffer"]
+    assert stats == RunDirHook(run.url).buffer_stats()  # the kept buffer follows its log like a new one
+
+    shutil.rmtree(run.fs._strip_protocol(run.url))  # the run is deleted and made again at the same URL
+    run.create(parse_config({"trainer": {"steps": 4}}))
+    run.write_json("prepare.json", {"created": 2.0})
+    log = run.metrics("trainer")
+    log.log({"step": 1, "reward/mean": 0.5})
+    log.flush()
+    assert poll() == [1]
 
 
 def test_long_streams_are_averaged_into_at_most_max_points():
