@@ -183,7 +183,7 @@ class TrainerConfig(_Section):
     entropy_coef: float = Field(0.0, ge=0)
     """Entropy bonus weight (0: off)."""
     std_normalize: bool = True
-    """Divide group-centred rewards by the group's standard deviation (GRPO); off gives Dr.GRPO."""
+    """grpo only: divide group-centred rewards by the group's standard deviation; off gives Dr. GRPO's advantages (refused with another algorithm, which would ignore it)."""
     loss_agg: Literal["token-mean", "seq-mean-token-mean"] = "token-mean"
     """Loss aggregation: over all response tokens of the batch, or per sequence then over sequences."""
     decoupled: bool = False

@@ -79,6 +79,10 @@ def check_trainer(t, frozen: bool = False) -> None:
         if unused:
             raise ValueError(f"{', '.join('trainer.' + k for k in unused)}: settings of the critic, which algorithm "
                              f"{t.algorithm} does not train (only ppo does); remove them or use algorithm ppo")
+    if not t.std_normalize and t.algorithm != "grpo" and not frozen:
+        raise ValueError(f"trainer.std_normalize=false changes only grpo's advantages, and algorithm {t.algorithm} "
+                         "would ignore it (dr_grpo, rloo and reinforce_pp never divide by the group's std; ppo "
+                         "has a critic); remove it, or use algorithm grpo")
 
 
 def check_run(cfg) -> None:

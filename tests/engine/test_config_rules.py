@@ -68,6 +68,15 @@ def test_critic_settings_are_refused_with_an_algorithm_that_has_no_critic():
         assert parse_config(yaml.safe_load(cfg.to_yaml())) == cfg
 
 
+def test_std_normalize_off_is_refused_with_an_algorithm_that_would_ignore_it():
+    load_config("configs/tiny-grpo.yaml", ["trainer.std_normalize=false"])  # grpo: Dr. GRPO's advantages
+    for algo, path in (("dr_grpo", "configs/tiny-grpo.yaml"), ("rloo", "configs/tiny-grpo.yaml"),
+                       ("ppo", "configs/tiny-ppo.yaml")):
+        refused([f"trainer.algorithm={algo}", "trainer.std_normalize=false"],
+                f"^trainer.std_normalize=false changes only grpo's advantages, and algorithm {algo} would ignore it",
+                path)
+
+
 def test_a_run_directory_whose_settings_a_newer_rule_refuses_still_loads(tmp_path):
     """A run whose config.yaml has a critic setting under grpo (ignored, as before the rule) resumes,
     evaluates and exports; a new run with it is refused."""
