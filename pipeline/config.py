@@ -306,7 +306,7 @@ class BufferConfig(_Section):
     rate_error_groups: int = Field(256, ge=0)
     """Rate limiter slack: how far inserts may run ahead of samples_per_insert, in groups."""
     max_fresh_backlog: int | None = Field(None, gt=0)
-    """Rate limiter: the sampler waits while more than this many L1 groups are unconsumed (None: only l1_max_rows)."""
+    """Rate limiter: the sampler waits while more than this many L1 groups are unconsumed (None: only l1_max_rows). A sampler held a minute by a bound of the rate limiter logs which, with its numbers."""
     orphan_grace_s: float = Field(3600.0, ge=0)
     """vacuum deletes unreferenced files only when older than this (a writer may be about to commit them)."""
     log_retention_s: float = Field(7 * 86400.0, ge=3600)

@@ -47,6 +47,7 @@ log = logging.getLogger("rlhf.sampler")
 DELAY_ENV = "RLHF_SAMPLER_DELAY_S"
 RECOUNT_S = 2.0  # a lone replica reads the buffer log at most this often (see Sampler._groups_ahead)
 STOP_CHECK_S = 1.0
+NAME_WAIT_S = 60.0  # a wait on a bound of the buffer's rate limiter this long is logged with the bound
 
 
 def injected_delay(sampler_id: str) -> float:
@@ -188,6 +189,7 @@ class Sampler:
         self.delay_s = injected_delay(sampler_id)
         self.limiter = self.buffer.rate_limiter()
         self.waited = self.reload_s = 0.0  # since the last logged batch
+        self._named: str | None = None  # the rate limiter's bound logged as holding the sampler since then
         self._stop_checked = float("-inf")
         self._stale_at: int | None = None  # the policy version at which the staleness bound held it
         self._counted, self._counted_at = 0, -RECOUNT_S  # see _groups_ahead
@@ -302,7 +304,11 @@ class Sampler:
             return True
         self._stale_at = None
         # ahead() has read the log (or, alone with no bound on the trainer's progress, did so lately)
-        return self.limiter.blocked_by(sc.prompts_per_batch, refresh=False) is not None
+        reason = self.limiter.blocked_by(sc.prompts_per_batch, refresh=False)
+        if reason is not None and self.waited >= NAME_WAIT_S and self._named != reason.split(":")[0]:
+            log.info("sampler %s: waiting %.0f s so far on the buffer's %s", self.sampler_id, self.waited, reason)
+            self._named = reason.split(":")[0]
+        return reason is not None
 
     def wait(self) -> None:
         """Wait for a newer policy, or for the trainer to use what is buffered."""
@@ -358,7 +364,7 @@ class Sampler:
         if self.reload_s:
             record["timing_s/reload"] = self.reload_s
         record["sampler/throttle_s"] = self.waited
-        self.waited = self.reload_s = 0.0
+        self.waited, self.reload_s, self._named = 0.0, 0.0, None
         if hasattr(self.backend, "stats"):
             record.update(self.backend.stats())
         return record

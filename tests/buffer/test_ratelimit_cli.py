@@ -35,6 +35,28 @@ def test_fresh_backlog_bound_blocks_until_the_trainer_consumes(buffer_url):
     assert lim.blocked_by(2) is None
 
 
+def test_a_sampler_held_a_minute_by_a_bound_of_the_rate_limiter_logs_the_bound_once(buffer_url, caplog):
+    from types import SimpleNamespace
+
+    from pipeline.sampler.loop import NAME_WAIT_S, Sampler
+
+    buf = ReplayBuffer(buffer_url, BufferConfig(max_fresh_backlog=4))
+    _write(buf, 2)
+    s = object.__new__(Sampler)  # the state throttled() reads, around a real buffer
+    s.cfg = SimpleNamespace(sampler=SimpleNamespace(prompts_per_batch=2, max_staleness=1, fixed_lag=False))
+    s._stale_at, s.version, s.sampler_id = None, 0, "sampler-0"
+    s.claims, s.ahead = SimpleNamespace(alone=True), lambda draw=None: 0
+    s.limiter, s.waited, s._named = buf.rate_limiter(), 0.0, None
+    buf.refresh()
+    with caplog.at_level("INFO", logger="rlhf.sampler"):
+        assert s.throttled() and not caplog.records  # a short wait is not worth a line
+        s.waited = NAME_WAIT_S
+        assert s.throttled() and s.throttled()
+    [line] = [r.getMessage() for r in caplog.records]
+    assert line == ("sampler sampler-0: waiting 60 s so far on the buffer's max_fresh_backlog=4: "
+                    "4 groups not yet consumed")
+
+
 def test_l1_row_bound_blocks_until_the_trainer_records_that_it_consumed(buffer_url):
     """The bound counts rows not yet consumed: nothing compacts while a run trains (finalize does),
     so a bound on all of L1 would hold a long run's sampler for ever."""
