@@ -58,6 +58,9 @@ def format_error(err: ValidationError, root: type[BaseModel]) -> str:
     if e["type"] == "value_error":
         msg = str(e.get("ctx", {}).get("error", e["msg"]))
         return msg if loc == "config" or msg.startswith(loc + ".") else f"{loc}: {msg}"
+    if e["type"] == "string_type" and isinstance(e.get("input"), (int, float)) and not isinstance(e["input"], bool):
+        return (f"{loc}: a text setting, which YAML read as the number {show_value(e['input'])}; quote the value "
+                f"as written, e.g. (YAML: {loc.split('.')[-1]}: '007'; the command line: --set \"{loc}='007'\")")
     return f"{loc}: {e['msg'].rstrip('.')} (got {show_value(e.get('input'))}); fix the value of '{loc}'"
 
 

@@ -68,6 +68,12 @@ def test_critic_settings_are_refused_with_an_algorithm_that_has_no_critic():
         assert parse_config(yaml.safe_load(cfg.to_yaml())) == cfg
 
 
+def test_a_number_given_for_a_text_setting_says_to_quote_it():
+    refused(["run_id=007"], "^run_id: a text setting, which YAML read as the number 7; quote the value as written")
+    refused(["model.path=1e3"], "^model.path: a text setting, which YAML read as the number 1000.0; quote")
+    assert load_config("configs/tiny-grpo.yaml", ["run_id='007'"]).run_id == "007"
+
+
 def test_std_normalize_off_is_refused_with_an_algorithm_that_would_ignore_it():
     load_config("configs/tiny-grpo.yaml", ["trainer.std_normalize=false"])  # grpo: Dr. GRPO's advantages
     for algo, path in (("dr_grpo", "configs/tiny-grpo.yaml"), ("rloo", "configs/tiny-grpo.yaml"),
