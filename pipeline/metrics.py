@@ -5,15 +5,20 @@ A stream is made of these objects, read in this order:
     metrics/<stream>.jsonl               the start of the stream (on local disk, all of it)
     metrics/<stream>/base-<seq>.jsonl    a rewrite: every record before it; replaces the file above
                                          and every object of a lower <seq>
+    metrics/<stream>/chunk-<seq>.jsonl   the records of the parts before it and after the chunk or
+                                         base before it; replaces those parts
     metrics/<stream>/part-<seq>.jsonl    the records of one flush, created once, never rewritten
 
-Reading: the newest base (or, when there is none, `<stream>.jsonl`), then the parts numbered after
-it, by <seq> (8 digits). Writing: on local disk a record is appended to `<stream>.jsonl` at once;
-object stores cannot append, so the writer batches records and puts each batch as a new part (a
-stream that already has parts, e.g. a run directory copied off an object store, goes on with parts
-everywhere). Every `compact_every` parts the writer folds the stream into a new base and deletes
-what it replaces, so a reader gets at most that many objects plus one; that is the only rewrite of
-the whole stream, besides `replace` (a resumed trainer dropping the steps it redoes).
+Reading: the newest base (or, when there is none, `<stream>.jsonl`), then the chunks and the parts
+numbered after it, by <seq> (8 digits), less the parts a chunk replaces (those below the newest
+chunk). Writing: on local disk a record is appended to `<stream>.jsonl` at once; object stores
+cannot append, so the writer batches records and puts each batch as a new part (a stream that
+already has parts, e.g. a run directory copied off an object store, goes on with parts everywhere).
+Every `compact_every` parts the writer folds them into a chunk, and every `compact_every` chunks
+the whole stream into a new base, deleting what each replaces: a reader gets at most about twice
+`compact_every` objects, and the whole stream is rewritten once every `compact_every`^2 parts, not
+every `compact_every` (a long run's stream: tens of MB uploaded, on the writer's thread, every few
+minutes), besides `replace` (a resumed trainer dropping the steps it redoes).
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ import time
 from .rundir import MARKER_NAME_CHARS
 from .storage import delete, is_local, list_names, put_atomic, put_if_absent, read_bytes
 
-OBJECT_RE = re.compile(r"^(base|part)-(\d{8})\.jsonl$")
+OBJECT_RE = re.compile(r"^(base|chunk|part)-(\d{8})\.jsonl$")
 READ_ATTEMPTS = 3
 
 
@@ -43,9 +48,12 @@ def _objects(run, stream: str) -> list[tuple[str, int]]:
 
 
 def _live(objects: list[tuple[str, int]]) -> list[tuple[str, int]]:
-    """The objects a reader reads: from the newest base on (all of them when there is none)."""
+    """The objects a reader reads: from the newest base on (all of them when there is none), less
+    the parts below the newest chunk (it holds their records)."""
     bases = [i for i, (kind, _) in enumerate(objects) if kind == "base"]
-    return objects[bases[-1]:] if bases else objects
+    live = objects[bases[-1]:] if bases else objects
+    folded = max((seq for kind, seq in live if kind == "chunk"), default=-1)
+    return [(kind, seq) for kind, seq in live if kind != "part" or seq > folded]
 
 
 def _parse(raw: bytes, out: list[dict]) -> None:
@@ -181,7 +189,7 @@ class MetricsLog:
         objects = _objects(run, stream)
         self._parts = not is_local(self.fs) or bool(objects)
         self._seq = objects[-1][1] + 1 if objects else 0
-        self._since_base = len([o for o in _live(objects) if o[0] == "part"])
+        self._unfolded = len([o for o in _live(objects) if o[0] == "part"])  # parts no chunk holds yet
         self._pending: list[str] = []
         self._flushed_at = time.monotonic()
         if not self._parts:
@@ -205,9 +213,26 @@ class MetricsLog:
             return
         self._create("part", ("\n".join(self._pending) + "\n").encode())
         self._pending = []
-        self._since_base += 1
-        if self._since_base >= self.compact_every:
+        self._unfolded += 1
+        if self._unfolded >= self.compact_every:
+            self._fold()
+
+    def _fold(self) -> None:
+        """The live parts into one chunk, or, once there are `compact_every` chunks, the whole stream
+        into a base."""
+        live = _live(_objects(self.run, self.stream))
+        if sum(kind == "chunk" for kind, _ in live) >= self.compact_every:
             self._rebase([json.dumps(r) for r in read_stream(self.run, self.stream)])
+            return
+        paths = [self.run.path("metrics", self.stream, f"part-{seq:08d}.jsonl") for kind, seq in live if kind == "part"]
+        self._unfolded = 0
+        if not paths:
+            return
+        blobs = self.fs.cat(paths, on_error="raise") if paths else {}
+        data = [blobs[p] if p in blobs else blobs[self.fs._strip_protocol(p)] for p in paths]
+        self._create("chunk", b"".join(d if d.endswith(b"\n") else d + b"\n" for d in data if d))
+        for path in paths:  # a reader that listed them before the chunk lists again when one is gone
+            delete(self.fs, path)
 
     def replace(self, records: list[dict]) -> None:
         """Make `records` the whole stream (a resumed trainer drops the records of the steps it redoes)."""
@@ -229,7 +254,7 @@ class MetricsLog:
         """Publish `lines` as a base, then delete the objects it replaces (readers that listed them
         before the base appeared list again when one is gone)."""
         seq = self._create("base", "".join(x + "\n" for x in lines).encode())
-        self._since_base = 0
+        self._unfolded = 0
         for kind, old in _objects(self.run, self.stream):
             if old < seq:
                 delete(self.fs, self.run.path("metrics", self.stream, f"{kind}-{old:08d}.jsonl"))

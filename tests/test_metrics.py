@@ -54,6 +54,32 @@ def test_compaction_bounds_the_objects_a_reader_gets_and_rewrites_rarely(puts):
     assert [r["sampler/batch"] for r in run.read_metrics("sampler-0")] == list(range(100))
 
 
+def test_parts_fold_into_chunks_and_the_whole_stream_is_rewritten_only_every_compact_every_chunks(puts):
+    """Before, every `compact_every` parts rewrote the whole stream: on a long run on an object
+    store, tens of MB read and uploaded on the writer's thread every few minutes (O(n^2) in all)."""
+    from pipeline.metrics import StreamReader, _live, _objects
+
+    run = _memory_run()
+    log = MetricsLog(run, "trainer", flush_every=1, flush_s=1e9, compact_every=5)
+    reader = StreamReader(run, "trainer")  # reads all along, as a progress watch does
+    for step in range(1, 301):
+        log.log({"step": step, "reward/mean": 0.5})
+        if step % 7 == 0:
+            assert [r["step"] for r in reader.read()] == list(range(1, step + 1))
+        live = _live(_objects(run, "trainer"))
+        assert len(live) <= 2 * 5 and [k for k, _ in live].count("base") <= 1
+    final = len(json.dumps(run.read_metrics("trainer")))
+    written = sum(len(b) for b in puts)
+    assert written < 8 * final, written / final  # parts, chunks and a base every 25 parts: ~6x; before ~30x
+    assert [r["step"] for r in run.read_metrics("trainer")] == list(range(1, 301))
+    assert [r["step"] for r in reader.read()] == list(range(1, 301))
+    restarted = MetricsLog(run, "trainer", flush_every=1, flush_s=1e9, compact_every=5)  # unfolded parts left
+    for step in range(301, 311):
+        restarted.log({"step": step})
+    assert [r["step"] for r in run.read_metrics("trainer")] == list(range(1, 311))
+    assert len(_live(_objects(run, "trainer"))) <= 2 * 5
+
+
 def test_old_single_file_streams_and_new_parts_read_in_order_and_replace_drops_records():
     run = _memory_run()
     run.fs.pipe_file(run.path("metrics", "trainer.jsonl"), b'{"step": 1}\n{"step": 2}\n')  # written before parts
