@@ -32,7 +32,7 @@ from datetime import datetime, timezone
 from ..buffer import ReplayBuffer, bounds_consumer_progress
 from ..buffer.schema import content_hash, to_table
 from ..locations import validate_name
-from ..data import PromptRow, filter_overlong, load_prompts
+from ..data import PromptRow, Prompts, filter_overlong, read_prompts
 from ..devices import engine_loaded, set_threads
 from ..models import load_tokenizer, prompt_token_ids
 from ..policy import PolicyStore
@@ -84,7 +84,7 @@ def scheduled_version(cfg, groups_committed: int) -> int:
 class PromptStream:
     """Deterministic shuffled passes over the prompts, readable from any position."""
 
-    def __init__(self, prompts: list[PromptRow], seed: int, position: int = 0):
+    def __init__(self, prompts: "Prompts | list[PromptRow]", seed: int, position: int = 0):
         self.prompts, self.seed, self.position = prompts, seed, position
         self._order: tuple[int, list[int]] = (-1, [])  # (pass, its order): shuffled once per pass
 
@@ -105,7 +105,7 @@ class PromptStream:
         return out
 
 
-def _within_length(prompts: list[PromptRow], tokenizer, data_cfg, sampler_id: str, metrics) -> list[PromptRow]:
+def _within_length(prompts: Prompts, tokenizer, data_cfg, sampler_id: str, metrics) -> Prompts:
     """The training prompts within data.max_prompt_tokens (the others dropped and counted, or a
     ConfigError naming the first one, as data.overlong_prompts says)."""
     kept, overlong = filter_overlong(prompts, tokenizer, data_cfg.max_prompt_tokens, data_cfg.overlong_prompts)
@@ -167,8 +167,8 @@ class Sampler:
         stream_name = sampler_id.lower()
         self.metrics = self.run.metrics(stream_name)
         self.metrics.log({"event": "start", "sampler_id": sampler_id})
-        prompts = load_prompts(self.run.child_url("data", "train.parquet"))
-        check_sources(cfg.reward, {p.data_source for p in prompts})
+        prompts = read_prompts(self.run.child_url("data", "train.parquet"))
+        check_sources(cfg.reward, prompts.sources())
         self.store = PolicyStore(self.run)
         if self.store.latest() is None:
             raise RuntimeError(f"{self.run.url}: no policy published; run `rlhf prepare` first")

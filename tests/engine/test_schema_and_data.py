@@ -263,3 +263,43 @@ def test_the_built_in_example_holds_those_splits():
     for split, rows in split_rows("sort", 0).items():
         got = load_prompts(os.path.join(folder, "data", f"{split}.parquet"))
         assert [p.messages for p in got] == [r["prompt"] for r in rows]
+
+
+def test_a_dataset_is_kept_as_its_table_and_filtered_prompts_are_the_same_rows_as_a_list_gives(tmp_path):
+    from pipeline.data import Prompts, read_prompts
+
+    url = str(tmp_path / "d.parquet")
+    rows = make_rows("sort", 300, 0, "train")
+    for i in (5, 77, 201):
+        rows[i]["prompt"] = [{"role": "user", "content": "x" * 40}]  # over the limit below
+    write_rows(rows, url)
+    prompts = read_prompts(url)
+    assert isinstance(prompts, Prompts) and len(prompts) == 300
+    as_list = load_prompts(url)
+    assert list(prompts) == as_list and prompts.sources() == {"builtin/sort"}
+    limit = max(len(p.messages[0]["content"]) for p in as_list if not p.messages[0]["content"].startswith("xxx"))
+    kept, dropped = filter_overlong(prompts, _CharTokenizer(), limit)
+    kept_list, dropped_list = filter_overlong(as_list, _CharTokenizer(), limit)
+    assert isinstance(kept, Prompts) and dropped == dropped_list == 3
+    assert [kept[i] for i in range(len(kept))] == kept_list  # same rows, same ids, same order
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"prompt": None}, "row 3 .* has no prompt \\(null\\)"),
+    ({"prompt": []}, "row 3 .* has an empty prompt"),
+    ({"reward_model": None}, "row 3 .* has no reward_model \\(null\\)"),
+])
+def test_rows_the_sampler_could_not_use_are_refused_when_the_dataset_is_staged(tmp_path, change, message):
+    """Before, the run started and the sampler died on the draw that met the row (a TypeError)."""
+    from pipeline.data import read_prompts, stage
+    from pipeline.storage import url_to_fs
+
+    rows = make_rows("sort", 8, 0, "train")
+    rows[3].update(change)
+    rows[6].update(change)
+    url = str(tmp_path / "bad.parquet")
+    write_rows(rows, url)
+    for load in (lambda: stage(url, *url_to_fs(str(tmp_path / "staged.parquet")), "data.train"),
+                 lambda: read_prompts(url), lambda: load_prompts(url, limit=5)):
+        with pytest.raises(ConfigError, match=f"^data.train: dataset .* {message}(, as have 1 more rows)?; give every"):
+            load()
