@@ -133,9 +133,7 @@ class Prompts:
 
     def __getitem__(self, i: int) -> PromptRow:
         raw = int(self.rows[i])
-        r = self.table.slice(raw, 1).to_pylist()[0]
-        return PromptRow(prompt_id=prompt_id_of(r, raw), data_source=str(r["data_source"]), messages=r["prompt"],
-                         ground_truth=r["reward_model"]["ground_truth"], extra_info=r.get("extra_info"))
+        return _row(self.table.slice(raw, 1).to_pylist()[0], raw)
 
     def __iter__(self) -> Iterator[PromptRow]:
         return (self[i] for i in range(len(self)))
@@ -148,8 +146,26 @@ class Prompts:
         """The rows at `positions` of this sequence, in that order."""
         return Prompts(self.table, self.rows[positions])
 
+    def by_id(self, wanted: set[str] | None = None) -> dict[str, PromptRow]:
+        """{prompt id: row} of the rows whose id is in `wanted` (None: all), the table read 4096
+        rows at a time."""
+        out: dict[str, PromptRow] = {}
+        for start in range(0, len(self), 4096):
+            rows = self.rows[start:start + 4096]
+            for raw, r in zip(rows.tolist(), self.table.take(rows).to_pylist()):
+                pid = prompt_id_of(r, raw)
+                if wanted is None or pid in wanted:
+                    out[pid] = _row(r, raw)
+        return out
+
     def sources(self) -> set[str]:
         return {str(s) for s in self.table.column("data_source").take(self.rows).unique().to_pylist()}
+
+
+def _row(r: dict, raw: int) -> PromptRow:
+    """Table row `raw` (as `to_pylist` gives it) as a PromptRow."""
+    return PromptRow(prompt_id=prompt_id_of(r, raw), data_source=str(r["data_source"]), messages=r["prompt"],
+                     ground_truth=r["reward_model"]["ground_truth"], extra_info=r.get("extra_info"))
 
 
 def read_prompts(url: str, field: str = "data.train") -> Prompts:

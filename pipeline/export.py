@@ -216,10 +216,12 @@ class _Tally:
             yield batch
 
 
-def prompts_by_id(run: RunDir) -> dict:
-    from .data import load_prompts
+def prompts_by_id(run: RunDir, wanted: set[str] | None = None) -> dict:
+    """The run's training prompts whose id is in `wanted` (None: all of them); rows of the others
+    are never made (a million-prompt set took 2.4 GB here as rows)."""
+    from .data import read_prompts
 
-    return {p.prompt_id: p for p in load_prompts(run.child_url("data", "train.parquet"), "data.train")}
+    return read_prompts(run.child_url("data", "train.parquet"), "data.train").by_id(wanted)
 
 
 def version_groups(run: RunDir, version: int | None) -> pa.Array | None:
@@ -335,7 +337,7 @@ def export(run_url: str, fmt: str, out: str, *, force: bool = False, version: in
 
 def _write_pairs(fmt: str, run: RunDir, groups: list[list[dict]], fs, path: str, min_reward: float | None) -> int:
     """Write the `sft` or `dpo` rows of `groups` (see `_groups`); returns their number."""
-    prompts = prompts_by_id(run)
+    prompts = prompts_by_id(run, {g[0]["prompt_id"] for g in groups})
     groups = [g for g in groups if g[0]["prompt_id"] in prompts]
     rows = sft_rows(groups, prompts, min_reward) if fmt == "sft" else dpo_rows(groups, prompts)
     if not rows:

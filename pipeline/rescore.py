@@ -47,8 +47,9 @@ def rescore(run_url: str, spec: str, out: str, *, overrides: list[str] | None = 
     if cfg.kind == "rule":
         load_reward_fn(cfg.fn)  # a bad spec fails before the archive is read
     dataset = archive_dataset(run)
-    prompts = prompts_by_id(run)
-    _check_prompts(dataset, prompts, run.url)
+    ids = archived_prompt_ids(dataset)
+    prompts = prompts_by_id(run, ids)
+    _check_prompts(ids, prompts, run.url)
     sums = {"rows": 0, "original": 0.0, "new": 0.0}
     with RewardScorer(cfg) as scorer:
         rows = write_batches(_rescored(archive_batches(dataset, batch_size=BATCH), scorer, prompts, sums), fs, path)
@@ -57,11 +58,17 @@ def rescore(run_url: str, spec: str, out: str, *, overrides: list[str] | None = 
             "mean_reward": sums["new"] / sums["rows"]}
 
 
-def _check_prompts(dataset, prompts: dict, where: str) -> None:
-    """Every archived prompt id is a staged prompt (only the `prompt_id` column is read)."""
-    missing: set[str] = set()
+def archived_prompt_ids(dataset) -> set[str]:
+    """The prompt ids of the archive (only the `prompt_id` column is read)."""
+    ids: set[str] = set()
     for batch in archive_batches(dataset, ["prompt_id"]):
-        missing.update(p for p in batch.column("prompt_id").to_pylist() if p not in prompts)
+        ids.update(batch.column("prompt_id").to_pylist())
+    return ids
+
+
+def _check_prompts(ids: set[str], prompts: dict, where: str) -> None:
+    """Every archived prompt id is a staged prompt."""
+    missing = ids - prompts.keys()
     if missing:
         first = min(missing)
         raise ConfigError(f"{where}: {len(missing)} archived prompt ids (e.g. {first}) are not in the run's "

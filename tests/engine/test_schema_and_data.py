@@ -284,6 +284,20 @@ def test_a_dataset_is_kept_as_its_table_and_filtered_prompts_are_the_same_rows_a
     assert [kept[i] for i in range(len(kept))] == kept_list  # same rows, same ids, same order
 
 
+def test_prompts_by_id_makes_rows_only_for_the_ids_asked_for(tmp_path, monkeypatch):
+    """What export and rescore look up: the prompts of the archived groups, not a row per prompt."""
+    from pipeline import data
+
+    url = str(tmp_path / "d.parquet")
+    write_rows(make_rows("sort", 5000, 0, "train"), url)
+    as_list = load_prompts(url)
+    made, real = [], data._row
+    monkeypatch.setattr(data, "_row", lambda r, raw: made.append(raw) or real(r, raw))
+    wanted = {as_list[7].prompt_id, as_list[4321].prompt_id, "not-a-prompt"}
+    assert data.read_prompts(url).by_id(wanted) == {p.prompt_id: p for p in (as_list[7], as_list[4321])}
+    assert sorted(made) == [7, 4321]
+
+
 @pytest.mark.parametrize("change, message", [
     ({"prompt": None}, "row 3 .* has no prompt \\(null\\)"),
     ({"prompt": []}, "row 3 .* has an empty prompt"),
