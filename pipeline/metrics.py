@@ -228,7 +228,7 @@ class MetricsLog:
         self._unfolded = 0
         if not paths:
             return
-        blobs = self.fs.cat(paths, on_error="raise") if paths else {}
+        blobs = self.fs.cat(paths, on_error="raise")
         data = [blobs[p] if p in blobs else blobs[self.fs._strip_protocol(p)] for p in paths]
         self._create("chunk", b"".join(d if d.endswith(b"\n") else d + b"\n" for d in data if d))
         for path in paths:  # a reader that listed them before the chunk lists again when one is gone
