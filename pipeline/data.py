@@ -189,9 +189,10 @@ def load_prompts(url: str, field: str = "data.train", limit: int | None = None) 
 
 
 def filter_overlong(prompts, tokenizer, max_tokens: int, policy: str = "filter",
-                    field: str = "data.train"):
+                    field: str = "data.train", progress=None):
     """Prompts (a list of `PromptRow` or `Prompts`, returned as such) whose rendered text is at
-    most `max_tokens` tokens, and how many were longer; rendered 1024 at a time.
+    most `max_tokens` tokens, and how many were longer; rendered 1024 at a time, `progress(done,
+    total)` called after each 1024.
 
     policy `filter` drops the longer ones (verl's `filter_overlong_prompts`); `fail` raises a
     ConfigError naming the first one."""
@@ -216,11 +217,27 @@ def filter_overlong(prompts, tokenizer, max_tokens: int, policy: str = "filter",
                     f"is {len(t)} tokens, over the limit of {max_tokens}; raise data.max_prompt_tokens or set "
                     "data.overlong_prompts=filter to drop such prompts"
                 )
+        if progress is not None:
+            progress(stop, len(prompts))
     dropped = len(prompts) - len(kept)
     if not kept:
         raise ConfigError(f"data.max_prompt_tokens: all {len(prompts)} prompts of {field} are over "
                           f"{max_tokens} tokens; raise data.max_prompt_tokens")
     return (prompts.select(kept) if isinstance(prompts, Prompts) else [prompts[j] for j in kept]), dropped
+
+
+def every(seconds: float, say):
+    """A `progress(done, total)` that calls `say(done, total)` at most once per `seconds`, from
+    `seconds` after it is made (a short pass says nothing), and never for the end."""
+    import time
+
+    said = [time.monotonic()]
+
+    def progress(done: int, total: int) -> None:
+        if done < total and time.monotonic() - said[0] >= seconds:
+            say(done, total)
+            said[0] = time.monotonic()
+    return progress
 
 
 def stage(src_url: str, dst_fs, dst_path: str, field: str, limit: int | None = None) -> int:

@@ -71,6 +71,10 @@ def validate_inputs(cfg: RunConfig) -> dict:
     src = resolve_sources(cfg)
     load_prompts(src["train"], "data.train", limit=1)
     load_prompts(src["eval"], "data.eval", limit=1)
+    try:  # the training prompts' sources: one column read, not the sampler's failure once the run has started
+        check_sources(cfg.reward, data_sources(src["train"], "data.train"))
+    except ConfigError as e:
+        raise ConfigError(f"data.train: {e}") from None
     try:  # held-out evaluations score with the rule reward whatever reward.kind the training uses
         check_sources(cfg.reward.model_copy(update={"kind": "rule"}), data_sources(src["eval"], "data.eval"))
     except ConfigError as e:

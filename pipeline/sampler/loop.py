@@ -32,7 +32,7 @@ from datetime import datetime, timezone
 from ..buffer import ReplayBuffer, bounds_consumer_progress
 from ..buffer.schema import content_hash, to_table
 from ..locations import validate_name
-from ..data import PromptRow, Prompts, filter_overlong, read_prompts
+from ..data import PromptRow, Prompts, every, filter_overlong, read_prompts
 from ..devices import engine_loaded, set_threads
 from ..models import load_tokenizer, prompt_token_ids
 from ..policy import PolicyStore
@@ -108,7 +108,8 @@ class PromptStream:
 def _within_length(prompts: Prompts, tokenizer, data_cfg, sampler_id: str, metrics) -> Prompts:
     """The training prompts within data.max_prompt_tokens (the others dropped and counted, or a
     ConfigError naming the first one, as data.overlong_prompts says)."""
-    kept, overlong = filter_overlong(prompts, tokenizer, data_cfg.max_prompt_tokens, data_cfg.overlong_prompts)
+    said = every(15.0, lambda done, n: log.info("sampler %s: %d of %d training prompts checked", sampler_id, done, n))
+    kept, overlong = filter_overlong(prompts, tokenizer, data_cfg.max_prompt_tokens, data_cfg.overlong_prompts, progress=said)
     if overlong:
         log.warning("sampler %s: %d prompts over data.max_prompt_tokens=%d left out", sampler_id, overlong,
                     data_cfg.max_prompt_tokens)

@@ -188,7 +188,8 @@ def wait_for_groups(buffer: ReplayBuffer, run: RunDir, cursor: dict | None, grou
         if marks is not None:
             marks.waiting()
         wait.sleep(lambda: f"no fresh rollouts for {timeout_s:.0f}s (have {have}/{groups} groups); is the sampler "
-                           "running? raise trainer.wait_timeout_s for slow samplers")
+                           "running? At its start it checks every training prompt's length (it logs how far it got): "
+                           "raise trainer.wait_timeout_s for a slow start or slow samplers")
     return pa.concat_tables(parts), cursor, wait.waited()
 
 

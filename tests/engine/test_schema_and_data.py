@@ -91,6 +91,20 @@ def test_a_held_out_set_the_rule_reward_cannot_score_is_refused_at_prepare(tmp_p
             validate_inputs(cfg)
 
 
+def test_training_prompts_the_reward_cannot_score_are_refused_at_prepare(tmp_path):
+    """Before, the sampler refused them once the run had started (22 s into a million-row run)."""
+    from pipeline.config import parse_config
+    from pipeline.orchestration import validate_inputs
+
+    url = str(tmp_path / "train.parquet")
+    write_rows(_verl_rows(["1", "2"]), url)
+    cfg = parse_config({"model": {"path": "builtin:sort"}, "data": {"train": url, "eval": "builtin:sort"}})
+    with pytest.raises(ConfigError, match="^data.train: reward.fn=auto: no built-in reward for data_source 'my/task'"):
+        validate_inputs(cfg)
+    with pytest.raises(ConfigError, match="^reward.model: '/m' is not"):  # a reward model scores any source: past it
+        validate_inputs(cfg.model_copy(update={"reward": cfg.reward.model_copy(update={"kind": "model", "model": "/m"})}))
+
+
 @pytest.mark.parametrize("remove, message", [
     (("model.safetensors",), "has no model.safetensors"),  # .bin weights only: the reshard path reads safetensors
     (("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt"),
@@ -282,6 +296,24 @@ def test_a_dataset_is_kept_as_its_table_and_filtered_prompts_are_the_same_rows_a
     kept_list, dropped_list = filter_overlong(as_list, _CharTokenizer(), limit)
     assert isinstance(kept, Prompts) and dropped == dropped_list == 3
     assert [kept[i] for i in range(len(kept))] == kept_list  # same rows, same ids, same order
+
+
+def test_a_long_length_check_says_how_far_it_got(monkeypatch):
+    """A million long prompts took minutes before the sampler's first batch, with nothing said."""
+    from pipeline import data
+
+    now = [0.0]
+    monkeypatch.setattr("time.monotonic", lambda: now[0])
+    said = []
+    progress = data.every(15.0, lambda done, n: said.append((done, n)))
+
+    class Slow(_CharTokenizer):
+        def __call__(self, texts, add_special_tokens=False):
+            now[0] += 10.0  # each 1024 prompts take 10 s
+            return super().__call__(texts, add_special_tokens)
+
+    kept, _ = filter_overlong(_prompts(*["ab"] * 5000), Slow(), 4, progress=progress)
+    assert len(kept) == 5000 and said == [(2048, 5000), (4096, 5000)]  # every 15 s at most, not at the end
 
 
 def test_prompts_by_id_makes_rows_only_for_the_ids_asked_for(tmp_path, monkeypatch):
