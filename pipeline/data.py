@@ -22,7 +22,7 @@ import pyarrow.parquet as pq
 
 from .config import ConfigError
 from .locations import reaching
-from .storage import parquet_from_bytes, put_atomic, url_to_fs
+from .storage import parquet_from_bytes, put_atomic, read_bytes, url_to_fs
 
 REQUIRED = ("data_source", "prompt", "reward_model.ground_truth")
 
@@ -224,6 +224,30 @@ def filter_overlong(prompts, tokenizer, max_tokens: int, policy: str = "filter",
         raise ConfigError(f"data.max_prompt_tokens: all {len(prompts)} prompts of {field} are over "
                           f"{max_tokens} tokens; raise data.max_prompt_tokens")
     return (prompts.select(kept) if isinstance(prompts, Prompts) else [prompts[j] for j in kept]), dropped
+
+
+def within_length(prompts: Prompts, tokenizer, data_cfg, data_url: str, progress=None) -> tuple[Prompts, int]:
+    """`filter_overlong` of the run's training prompts under `data_cfg` (max_prompt_tokens,
+    overlong_prompts), its result recorded in the run's data folder `data_url` (the rows kept, a
+    Parquet column, named by both settings): a sampler that restarts, and every other replica,
+    reads it instead of rendering and tokenizing every prompt again (105 s for a million short
+    prompts). A record of another table (its row count) is not used."""
+    max_tokens, policy = data_cfg.max_prompt_tokens, data_cfg.overlong_prompts
+    fs, path = url_to_fs(f"{data_url.rstrip('/')}/train.within-{max_tokens}-{policy}.parquet")
+    try:
+        table = parquet_from_bytes(read_bytes(fs, path))
+        meta = json.loads(table.schema.metadata[b"rlhf"])
+        if meta["rows"] == prompts.table.num_rows:
+            return Prompts(prompts.table, table.column("row").to_numpy()), int(meta["dropped"])
+    except (FileNotFoundError, KeyError, ValueError, TypeError, pa.ArrowInvalid, OSError):
+        pass
+    kept, dropped = filter_overlong(prompts, tokenizer, max_tokens, policy, progress=progress)
+    record = pa.table({"row": pa.array(kept.rows, pa.int64())}).replace_schema_metadata(
+        {"rlhf": json.dumps({"rows": prompts.table.num_rows, "dropped": dropped, "max_prompt_tokens": max_tokens})})
+    buf = io.BytesIO()
+    pq.write_table(record, buf, compression="zstd")
+    put_atomic(fs, path, buf.getvalue())
+    return kept, dropped
 
 
 def every(seconds: float, say):

@@ -32,7 +32,7 @@ from datetime import datetime, timezone
 from ..buffer import ReplayBuffer, bounds_consumer_progress
 from ..buffer.schema import content_hash, to_table
 from ..locations import validate_name
-from ..data import PromptRow, Prompts, every, filter_overlong, read_prompts
+from ..data import PromptRow, Prompts, every, read_prompts, within_length
 from ..devices import engine_loaded, set_threads
 from ..models import load_tokenizer, prompt_token_ids
 from ..policy import PolicyStore
@@ -105,11 +105,11 @@ class PromptStream:
         return out
 
 
-def _within_length(prompts: Prompts, tokenizer, data_cfg, sampler_id: str, metrics) -> Prompts:
-    """The training prompts within data.max_prompt_tokens (the others dropped and counted, or a
-    ConfigError naming the first one, as data.overlong_prompts says)."""
+def _within_length(prompts: Prompts, tokenizer, data_cfg, sampler_id: str, metrics, run: RunDir) -> Prompts:
+    """The training prompts within data.max_prompt_tokens, the others dropped and counted or refused
+    as data.overlong_prompts says (`within_length`: recorded in the run, for restarts and replicas)."""
     said = every(15.0, lambda done, n: log.info("sampler %s: %d of %d training prompts checked", sampler_id, done, n))
-    kept, overlong = filter_overlong(prompts, tokenizer, data_cfg.max_prompt_tokens, data_cfg.overlong_prompts, progress=said)
+    kept, overlong = within_length(prompts, tokenizer, data_cfg, run.child_url("data"), said)
     if overlong:
         log.warning("sampler %s: %d prompts over data.max_prompt_tokens=%d left out", sampler_id, overlong,
                     data_cfg.max_prompt_tokens)
@@ -176,7 +176,7 @@ class Sampler:
         with self.store.lease_latest(sampler_id) as lease:  # retention keeps the version until it is loaded
             self.version = lease.version
             self.tokenizer = load_tokenizer(lease.path, trust_remote_code=cfg.model.trust_remote_code)
-            prompts = _within_length(prompts, self.tokenizer, cfg.data, sampler_id, self.metrics)
+            prompts = _within_length(prompts, self.tokenizer, cfg.data, sampler_id, self.metrics, self.run)
             self.backend = make_backend(sc.backend, lease.path, dtype=cfg.model.dtype, threads=sc.threads,
                                         seed=cfg.seed + zlib.crc32(sampler_id.encode()) % 1000, options=sc.vllm,
                                         max_batch_tokens=sc.max_batch_tokens,

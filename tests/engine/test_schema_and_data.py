@@ -316,6 +316,41 @@ def test_a_long_length_check_says_how_far_it_got(monkeypatch):
     assert len(kept) == 5000 and said == [(2048, 5000), (4096, 5000)]  # every 15 s at most, not at the end
 
 
+def test_the_length_check_is_recorded_in_the_run_and_read_back_by_a_restart(tmp_path):
+    """A restarted sampler (and every other replica) rendered and tokenized every prompt again."""
+    from types import SimpleNamespace
+
+    from pipeline.data import read_prompts, within_length
+
+    url = str(tmp_path / "d.parquet")
+    rows = make_rows("sort", 3000, 0, "train")
+    rows[10]["prompt"] = [{"role": "user", "content": "x" * 400}]
+    write_rows(rows, url)
+    prompts, calls = read_prompts(url), []
+
+    class Counting(_CharTokenizer):
+        def __call__(self, texts, add_special_tokens=False):
+            calls.append(len(texts))
+            return super().__call__(texts, add_special_tokens)
+
+    cfg = SimpleNamespace(max_prompt_tokens=300, overlong_prompts="filter")
+    data_dir = str(tmp_path / "run" / "data")
+    first = within_length(prompts, Counting(), cfg, data_dir)
+    assert sum(calls) == 3000 and first[1] == 1 and len(first[0]) == 2999
+    calls.clear()
+    again = within_length(read_prompts(url), Counting(), cfg, data_dir)
+    assert calls == [] and again[1] == 1 and list(again[0].rows) == list(first[0].rows)
+    within_length(read_prompts(url), Counting(), SimpleNamespace(max_prompt_tokens=500, overlong_prompts="filter"),
+                  data_dir)  # another limit: checked again, recorded beside
+    assert sum(calls) == 3000
+    write_rows(rows[:100], url)  # another table under the same name: its record does not apply
+    calls.clear()
+    assert within_length(read_prompts(url), Counting(), cfg, data_dir)[1] == 1 and sum(calls) == 100
+    with pytest.raises(ConfigError, match="is 400 tokens, over the limit of 300"):  # the record holds for `filter` only
+        within_length(read_prompts(url), Counting(), SimpleNamespace(max_prompt_tokens=300, overlong_prompts="fail"),
+                      data_dir)
+
+
 def test_prompts_by_id_makes_rows_only_for_the_ids_asked_for(tmp_path, monkeypatch):
     """What export and rescore look up: the prompts of the archived groups, not a row per prompt."""
     from pipeline import data
