@@ -136,7 +136,9 @@ class Prompts:
         return _row(self.table.slice(raw, 1).to_pylist()[0], raw)
 
     def __iter__(self) -> Iterator[PromptRow]:
-        return (self[i] for i in range(len(self)))
+        for start in range(0, len(self), 4096):  # 4096 rows a conversion, not one
+            rows = self.rows[start:start + 4096]
+            yield from (_row(r, raw) for raw, r in zip(rows.tolist(), self.table.take(rows).to_pylist()))
 
     def messages(self, start: int, stop: int) -> list:
         """The `prompt` values of rows start..stop-1 of this sequence."""
