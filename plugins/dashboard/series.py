@@ -150,14 +150,32 @@ def version_summary(stored: list[int], latest: int | None, sync_every: int, samp
             "sampler_loaded": len(loaded), "sampler_newest": max(loaded) if loaded else None}
 
 
-class BufferHistory:
+class KeptPerRun:
+    """State a dashboard poll builds on the last one's, kept for the `MAX_RUNS` runs (or buffers)
+    viewed last: `of(key)` gives the key's, made on first use; each subclass keeps its own."""
+
+    MAX_RUNS = 16
+
+    def __init_subclass__(cls, **kwargs) -> None:
+        super().__init_subclass__(**kwargs)
+        cls._cache: OrderedDict = OrderedDict()
+        cls._lock = threading.Lock()
+
+    @classmethod
+    def of(cls, key: str):
+        with cls._lock:
+            kept = cls._cache.pop(key, None) or cls()
+            cls._cache[key] = kept
+            while len(cls._cache) > cls.MAX_RUNS:
+                cls._cache.popitem(last=False)
+            return kept
+
+
+class BufferHistory(KeptPerRun):
     """Rows per tier after each commit of a buffer's log, kept per buffer URL between polls (the
     `MAX_RUNS` buffers viewed last; at most `MAX_KEPT` points each, thinned when it grows past)."""
 
-    MAX_RUNS = 16
     MAX_KEPT = 8 * MAX_POINTS
-    _cache: "OrderedDict[str, BufferHistory]" = OrderedDict()
-    _lock = threading.Lock()
 
     def __init__(self) -> None:
         self.next_version: int | None = None
@@ -165,15 +183,6 @@ class BufferHistory:
         self.rows = {"l1": 0, "l2": 0, "l3": 0}
         self.points: list[list] = []  # [time, l1, l2, l3]
         self.lock = threading.Lock()
-
-    @classmethod
-    def of(cls, url: str) -> "BufferHistory":
-        with cls._lock:
-            history = cls._cache.pop(url, None) or cls()
-            cls._cache[url] = history
-            while len(cls._cache) > cls.MAX_RUNS:
-                cls._cache.popitem(last=False)
-            return history
 
     def update(self, log, max_entries: int = 20000) -> None:
         """Apply the entries of `log` (a `CommitLog`) committed since the last update."""

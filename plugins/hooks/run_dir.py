@@ -10,10 +10,11 @@ blocking fsspec I/O: triggers call them through `asyncio.to_thread`.
 from __future__ import annotations
 
 import threading
-from collections import OrderedDict
 from typing import Any
 
 from airflow.sdk import BaseHook
+
+from plugins.dashboard.series import KeptPerRun
 
 # Metric keys plotted by the dashboard: (x key, y keys) per kind of metrics stream.
 CURVES = {
@@ -41,7 +42,7 @@ def _downsample(points: list, limit: int = MAX_POINTS) -> list:
     return picked + [points[-1]]
 
 
-class _Readers:
+class _Readers(KeptPerRun):
     """What the dashboard reads of one run again at every poll, kept between polls for the
     `MAX_RUNS` runs viewed last: a `StreamReader` per metrics stream (each poll parses only the
     records logged since the last) and the run's `ReplayBuffer` (each poll replays only the log
@@ -50,23 +51,10 @@ class _Readers:
     time its directory was first prepared: a run directory deleted and made again at the same URL
     is another run, read from its start."""
 
-    MAX_RUNS = 16
-    _cache: "OrderedDict[str, _Readers]" = OrderedDict()
-    _lock = threading.Lock()
-
     def __init__(self) -> None:
         self.streams: dict = {}
         self.buffer = None
         self.lock = threading.Lock()  # polls of one run (two open pages) take turns
-
-    @classmethod
-    def of(cls, url: str) -> "_Readers":
-        with cls._lock:
-            readers = cls._cache.pop(url, None) or cls()
-            cls._cache[url] = readers
-            while len(cls._cache) > cls.MAX_RUNS:
-                cls._cache.popitem(last=False)
-            return readers
 
 
 class RunDirHook(BaseHook):
