@@ -136,9 +136,13 @@ class Prompts:
         return _row(self.table.slice(raw, 1).to_pylist()[0], raw)
 
     def __iter__(self) -> Iterator[PromptRow]:
-        for start in range(0, len(self), 4096):  # 4096 rows a conversion, not one
+        return (_row(r, raw) for raw, r in self._dicts())
+
+    def _dicts(self) -> Iterator[tuple[int, dict]]:
+        """(table row, the row as `to_pylist` gives it) of this sequence, 4096 rows a conversion."""
+        for start in range(0, len(self), 4096):
             rows = self.rows[start:start + 4096]
-            yield from (_row(r, raw) for raw, r in zip(rows.tolist(), self.table.take(rows).to_pylist()))
+            yield from zip(rows.tolist(), self.table.take(rows).to_pylist())
 
     def messages(self, start: int, stop: int) -> list:
         """The `prompt` values of rows start..stop-1 of this sequence."""
@@ -152,12 +156,10 @@ class Prompts:
         """{prompt id: row} of the rows whose id is in `wanted` (None: all), the table read 4096
         rows at a time."""
         out: dict[str, PromptRow] = {}
-        for start in range(0, len(self), 4096):
-            rows = self.rows[start:start + 4096]
-            for raw, r in zip(rows.tolist(), self.table.take(rows).to_pylist()):
-                pid = prompt_id_of(r, raw)
-                if wanted is None or pid in wanted:
-                    out[pid] = _row(r, raw)
+        for raw, r in self._dicts():
+            if wanted is None or prompt_id_of(r, raw) in wanted:
+                row = _row(r, raw)
+                out[row.prompt_id] = row
         return out
 
     def sources(self) -> set[str]:
@@ -246,9 +248,7 @@ def within_length(prompts: Prompts, tokenizer, data_cfg, data_url: str, progress
     kept, dropped = filter_overlong(prompts, tokenizer, max_tokens, policy, progress=progress)
     record = pa.table({"row": pa.array(kept.rows, pa.int64())}).replace_schema_metadata(
         {"rlhf": json.dumps({"rows": prompts.table.num_rows, "dropped": dropped, "max_prompt_tokens": max_tokens})})
-    buf = io.BytesIO()
-    pq.write_table(record, buf, compression="zstd")
-    put_atomic(fs, path, buf.getvalue())
+    _put_parquet(record, fs, path)
     return kept, dropped
 
 
@@ -272,14 +272,16 @@ def stage(src_url: str, dst_fs, dst_path: str, field: str, limit: int | None = N
     validate_columns(table, src_url, field)
     if limit is not None:
         table = table.slice(0, limit)
-    buf = io.BytesIO()
-    pq.write_table(table, buf, compression="zstd")
-    put_atomic(dst_fs, dst_path, buf.getvalue())
+    _put_parquet(table, dst_fs, dst_path)
     return table.num_rows
 
 
 def write_rows(rows: list[dict], url: str) -> None:
-    fs, path = url_to_fs(url)
+    _put_parquet(pa.Table.from_pylist(rows), *url_to_fs(url))
+
+
+def _put_parquet(table: pa.Table, fs, path: str) -> None:
+    """`table` as a zstd Parquet file at `path`, put atomically."""
     buf = io.BytesIO()
-    pq.write_table(pa.Table.from_pylist(rows), buf, compression="zstd")
+    pq.write_table(table, buf, compression="zstd")
     put_atomic(fs, path, buf.getvalue())
