@@ -235,7 +235,8 @@ def within_length(prompts: Prompts, tokenizer, data_cfg, data_url: str, progress
     overlong_prompts), its result recorded in the run's data folder `data_url` (the rows kept, a
     Parquet column, named by both settings): a sampler that restarts, and every other replica,
     reads it instead of rendering and tokenizing every prompt again (105 s for a million short
-    prompts). A record of another table (its row count) is not used."""
+    prompts). A record of another table (its row count) is not used. The check itself tokenizes on
+    every core (`models.tokenizing_on_every_core`)."""
     max_tokens, policy = data_cfg.max_prompt_tokens, data_cfg.overlong_prompts
     fs, path = url_to_fs(f"{data_url.rstrip('/')}/train.within-{max_tokens}-{policy}.parquet")
     try:
@@ -245,7 +246,10 @@ def within_length(prompts: Prompts, tokenizer, data_cfg, data_url: str, progress
             return Prompts(prompts.table, table.column("row").to_numpy()), int(meta["dropped"])
     except (FileNotFoundError, KeyError, ValueError, TypeError, pa.ArrowInvalid, OSError):
         pass
-    kept, dropped = filter_overlong(prompts, tokenizer, max_tokens, policy, progress=progress)
+    from .models import tokenizing_on_every_core
+
+    with tokenizing_on_every_core():  # once per run, before the first batch
+        kept, dropped = filter_overlong(prompts, tokenizer, max_tokens, policy, progress=progress)
     record = pa.table({"row": pa.array(kept.rows, pa.int64())}).replace_schema_metadata(
         {"rlhf": json.dumps({"rows": prompts.table.num_rows, "dropped": dropped, "max_prompt_tokens": max_tokens})})
     _put_parquet(record, fs, path)

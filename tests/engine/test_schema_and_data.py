@@ -1,4 +1,5 @@
 import io
+import os
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -384,3 +385,33 @@ def test_rows_the_sampler_could_not_use_are_refused_when_the_dataset_is_staged(t
                  lambda: read_prompts(url), lambda: load_prompts(url, limit=5)):
         with pytest.raises(ConfigError, match=f"^data.train: dataset .* {message}(, as have 1 more rows)?; give every"):
             load()
+
+
+def test_the_length_check_tokenizes_on_every_core_and_leaves_the_setting_as_it_was(tmp_path, monkeypatch):
+    """The one pass over every training prompt ran on one core (TOKENIZERS_PARALLELISM=false, as the
+    engines set it): 606 s for 250k long prompts, past the trainer's wait for its first rollouts."""
+    from types import SimpleNamespace
+
+    from pipeline.data import read_prompts, within_length
+
+    url = str(tmp_path / "d.parquet")
+    write_rows(make_rows("sort", 50, 0, "train"), url)
+    seen = []
+
+    class Recording(_CharTokenizer):
+        def __call__(self, texts, add_special_tokens=False):
+            seen.append(os.environ.get("TOKENIZERS_PARALLELISM"))
+            if len(seen) == 2:
+                raise RuntimeError("tokenizer failed")
+            return super().__call__(texts, add_special_tokens)
+
+    monkeypatch.setenv("TOKENIZERS_PARALLELISM", "false")
+    cfg = SimpleNamespace(max_prompt_tokens=300, overlong_prompts="filter")
+    within_length(read_prompts(url), Recording(), cfg, str(tmp_path / "a"))
+    assert seen == ["true"] and os.environ["TOKENIZERS_PARALLELISM"] == "false"
+    with pytest.raises(RuntimeError, match="tokenizer failed"):
+        within_length(read_prompts(url), Recording(), cfg, str(tmp_path / "b"))
+    assert seen == ["true", "true"] and os.environ["TOKENIZERS_PARALLELISM"] == "false"
+    monkeypatch.delenv("TOKENIZERS_PARALLELISM")
+    within_length(read_prompts(url), _CharTokenizer(), cfg, str(tmp_path / "c"))
+    assert "TOKENIZERS_PARALLELISM" not in os.environ
