@@ -64,9 +64,9 @@ class DataConfig(_Section):
         return validate_input_url(v)
 
     max_prompt_tokens: int = Field(128, gt=0)
-    """Longest rendered prompt, in tokens of the policy's tokenizer; the sampler checks every training prompt at start (see overlong_prompts)."""
+    """Longest rendered prompt, in tokens of the policy's tokenizer; the sampler checks every training and held-out prompt at start (see overlong_prompts)."""
     overlong_prompts: Literal["filter", "fail"] = "filter"
-    """Training prompts over max_prompt_tokens: `filter` drops them and logs the count (verl's filter_overlong_prompts); `fail` stops the sampler naming the first one."""
+    """Prompts over max_prompt_tokens: `filter` drops them and logs the count (verl's filter_overlong_prompts; held-out ones are left out of the evaluation, counted in its `overlong_left_out`); `fail` stops the sampler naming the first one."""
     eval_size: int = Field(256, gt=0)
     """Held-out prompts used for evaluation (the first N)."""
 

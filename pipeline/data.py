@@ -256,6 +256,16 @@ def within_length(prompts: Prompts, tokenizer, data_cfg, data_url: str, progress
     return kept, dropped
 
 
+def held_out_within_length(url: str, tokenizer, data_cfg) -> tuple[list[PromptRow], int]:
+    """The held-out prompts at `url` within data.max_prompt_tokens, the longer ones dropped (and
+    counted) or refused as data.overlong_prompts says, as for training: a longer prompt and its
+    answer may not fit the model's positions (`check_context` counts on the limit). Unchecked, a
+    256-position model scored 405-token prompts without a word, and vLLM would refuse them when
+    finalize evaluates, after training."""
+    return filter_overlong(load_prompts(url, "data.eval"), tokenizer, data_cfg.max_prompt_tokens,
+                           data_cfg.overlong_prompts, field="data.eval")
+
+
 def every(seconds: float, say):
     """A `progress(done, total)` that calls `say(done, total)` at most once per `seconds`, from
     `seconds` after it is made (a short pass says nothing), and never for the end."""

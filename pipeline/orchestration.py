@@ -296,8 +296,9 @@ def stop_after_trainer(run: RunDir, *, by: str, attempt: int | None = None,
 
 # finalize -------------------------------------------------------------------------------------------
 def evaluate_policy(run: RunDir, version: int, threads: int = 2) -> dict:
-    """Held-out score of a published policy version (greedy, the task's reward)."""
-    from .data import load_prompts
+    """Held-out score of a published policy version (greedy, the task's reward), over the held-out
+    prompts within data.max_prompt_tokens ("overlong_left_out": how many were not, if any)."""
+    from .data import held_out_within_length
     from .evaluate import evaluate
     from .devices import set_threads
     from .policy import PolicyStore
@@ -313,9 +314,10 @@ def evaluate_policy(run: RunDir, version: int, threads: int = 2) -> dict:
     # training scores with a reward model; with the run's timeouts and error policy
     scorer = RewardScorer(cfg.reward.model_copy(update={"kind": "rule"}))
     try:
-        prompts = load_prompts(run.child_url("data", "eval.parquet"), "data.eval")
-        return evaluate(backend, backend.tokenizer, prompts, scorer,
-                        cfg.eval.max_new_tokens or cfg.sampler.max_new_tokens, cfg.eval.batch_size)
+        prompts, overlong = held_out_within_length(run.child_url("data", "eval.parquet"), backend.tokenizer, cfg.data)
+        score = evaluate(backend, backend.tokenizer, prompts, scorer,
+                         cfg.eval.max_new_tokens or cfg.sampler.max_new_tokens, cfg.eval.batch_size)
+        return score | ({"overlong_left_out": overlong} if overlong else {})
     finally:
         backend.close()
         scorer.close()

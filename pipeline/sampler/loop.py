@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import os
 import random
 import time
 import uuid
@@ -32,7 +33,7 @@ from datetime import datetime, timezone
 from ..buffer import ReplayBuffer, bounds_consumer_progress
 from ..buffer.schema import content_hash, to_table
 from ..locations import validate_name
-from ..data import PromptRow, Prompts, every, read_prompts, within_length
+from ..data import PromptRow, Prompts, every, held_out_within_length, read_prompts, within_length
 from ..devices import engine_loaded, set_threads
 from ..models import load_tokenizer, prompt_token_ids
 from ..policy import PolicyStore
@@ -51,8 +52,6 @@ NAME_WAIT_S = 60.0  # a wait on a bound of the buffer's rate limiter this long i
 
 
 def injected_delay(sampler_id: str) -> float:
-    import os
-
     for item in os.environ.get(DELAY_ENV, "").split(","):
         name, _, seconds = item.partition("=")
         if name.strip() == sampler_id and seconds:
@@ -106,13 +105,14 @@ class PromptStream:
 
 
 def _within_length(prompts: Prompts, tokenizer, data_cfg, sampler_id: str, metrics, run: RunDir) -> Prompts:
-    """The training prompts within data.max_prompt_tokens, the others dropped and counted or refused
-    as data.overlong_prompts says (`within_length`: recorded in the run, for restarts and replicas)."""
+    """The training prompts within data.max_prompt_tokens, the others dropped or refused (data.overlong_prompts;
+    `within_length` records it in the run); the held-out prompts are checked now, not at finalize."""
     said = every(15.0, lambda done, n: log.info("sampler %s: %d of %d training prompts checked", sampler_id, done, n))
     kept, overlong = within_length(prompts, tokenizer, data_cfg, run.child_url("data"), said)
-    if overlong:
-        log.warning("sampler %s: %d prompts over data.max_prompt_tokens=%d left out", sampler_id, overlong,
-                    data_cfg.max_prompt_tokens)
+    held_out = held_out_within_length(run.child_url("data", "eval.parquet"), tokenizer, data_cfg)[1]
+    if overlong or held_out:
+        log.warning("sampler %s: prompts over data.max_prompt_tokens=%d left out: %d for training, %d held-out",
+                    sampler_id, data_cfg.max_prompt_tokens, overlong, held_out)
     metrics.log({"event": "prompts", "data/prompts": len(kept), "data/filtered_overlong": overlong})
     return kept
 

@@ -206,3 +206,38 @@ def test_init_example_never_replaces_a_folder_it_did_not_build(tmp_path):
     with pytest.raises(ConfigError, match="not an example folder"):
         build_example(str(tmp_path / "file"), "digit")
     assert (tmp_path / "proj" / "src" / "notes.txt").read_text() == "precious"
+
+
+def test_held_out_prompts_over_max_prompt_tokens_are_left_out_of_the_evaluation_or_refused(tmp_path, caplog):
+    """A 405-token held-out prompt on a 256-position model was scored without a word (vLLM would
+    have refused it at finalize, after training). The training prompts' rule now holds for them,
+    and the sampler checks them when it starts, before training."""
+    import pyarrow.parquet as pq
+
+    from pipeline.data import read_prompts, write_rows
+    from pipeline.sampler.loop import _within_length
+
+    def sampler_start(run):
+        return _within_length(read_prompts(run.child_url("data", "train.parquet")),
+                              load_tokenizer(PolicyStore(run).local_dir(0)), run.config().data, "sampler-0",
+                              run.metrics("sampler-0"), run)
+
+    for policy in ("filter", "fail"):
+        cfg = {**CONFIG, "data": {**CONFIG["data"], "max_prompt_tokens": 64, "overlong_prompts": policy}}
+        run = orchestration.prepare(parse_config(cfg), run_url=f"file://{tmp_path}/runs/{policy}")
+        url = run.child_url("data", "eval.parquet")
+        rows = pq.read_table(run.path("data", "eval.parquet")).to_pylist()
+        rows[3]["prompt"] = [{"role": "user", "content": "7" * 200}]
+        write_rows(rows, url)
+        if policy == "filter":
+            with caplog.at_level("WARNING", logger="rlhf.sampler"):
+                sampler_start(run)
+            assert "over data.max_prompt_tokens=64 left out: 0 for training, 1 held-out" in caplog.text
+            result = orchestration.evaluate_policy(run, 0, threads=1)
+            assert result["n"] == len(rows) - 1 and result["overlong_left_out"] == 1
+        else:
+            refused = "data.max_prompt_tokens: prompt .* of data.eval .* over the limit of 64"
+            with pytest.raises(ConfigError, match=refused):
+                sampler_start(run)
+            with pytest.raises(ConfigError, match=refused):
+                orchestration.evaluate_policy(run, 0, threads=1)
