@@ -55,7 +55,7 @@ class ModelConfig(_Section):
 
 class DataConfig(_Section):
     train: str = "builtin:sort"
-    """Training prompts: Parquet file/URL in verl's columns, or `builtin:<task>`."""
+    """Training prompts: Parquet file/URL in verl's columns, a folder of such files (shards, read in name order), or `builtin:<task>`."""
     eval: str = "builtin:sort"
     """Held-out prompts, same format; `builtin:<task>` uses the task's held-out split."""
     @field_validator("train", "eval")

@@ -21,32 +21,17 @@ def registry_url(root: str, dag_id: str) -> str:
     return f"{root}/registry/{dag_id}.json"
 
 
-def stage_partition(prompts_root: str, date: str, dst_url: str) -> int:
-    """Concatenate `<prompts_root>/ds=<date>/*.parquet` into one file at `dst_url`. Returns rows."""
-    import io
-
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    from pipeline.storage import put_atomic, url_to_fs
+def partition_url(prompts_root: str, date: str) -> str:
+    """The dataset of `date`: the folder `<prompts_root>/ds=<date>` of Parquet files, which prepare
+    stages into the run (`pipeline.data`: a folder of Parquet files is a dataset)."""
+    from pipeline.storage import url_to_fs
 
     if not DATE_RE.match(date):
         raise ValueError(f"partition date {date!r} is not YYYY-MM-DD")
     fs, root = url_to_fs(prompts_root)
-    part = f"{root}/ds={date}"
-    files = sorted(p for p in fs.glob(f"{part}/*.parquet") if not p.rsplit("/", 1)[-1].startswith("."))
-    if not files:
+    if not any(not p.rsplit("/", 1)[-1].startswith((".", "_")) for p in fs.glob(f"{root}/ds={date}/*.parquet")):
         raise FileNotFoundError(f"no prompts for {date}: {prompts_root}/ds={date}/*.parquet is empty or missing")
-    tables = []
-    for path in files:
-        with fs.open(path, "rb") as f:
-            tables.append(pq.read_table(f))
-    table = pa.concat_tables(tables, promote_options="default")
-    buf = io.BytesIO()
-    pq.write_table(table, buf, compression="zstd")
-    dst_fs, dst = url_to_fs(dst_url)
-    put_atomic(dst_fs, dst, buf.getvalue())
-    return table.num_rows
+    return f"{prompts_root}/ds={date}"
 
 
 def wait_for_earlier_run(ti, poll_s: float = 5.0, timeout_s: float = 12 * 3600) -> None:
@@ -81,14 +66,13 @@ def prepare_retrain(dag_id: str, params: dict, conf: dict | None, date: str, run
         raise ValueError(f"prompts_root: empty; pass the root of the ds=YYYY-MM-DD partitions or set ${PROMPTS_ROOT_ENV}")
     prompts_root = storage_root(prompts_root, "prompts_root")  # absolute, a supported store, no '..'
     run_name = f"{dag_id}-{date}"
-    inputs = f"{runs_root}/inputs/{run_name}/train.parquet"
-    rows = stage_partition(prompts_root, date, inputs)
+    inputs = partition_url(prompts_root, date)
     previous = PolicyRegistry(registry_url(runs_root, dag_id)).previous(date)
     extra = {"data.train": inputs}
     if previous is not None:
         extra["model.path"] = previous["policy_url"]
     start = previous["policy_url"] if previous else "the form's model"
-    print(f"{date}: {rows} prompts from {prompts_root}/ds={date}; starting from {start}")
+    print(f"{date}: prompts from {inputs}; starting from {start}")
     out = prepare_run(dag_id, params, None, run_name, extra, rerun_suffix=True, dag_run_id=dag_run_id)
     return {**out, "date": date, "start_policy": previous["policy_url"] if previous else None}
 

@@ -135,3 +135,15 @@ def test_errors_of_object_store_clients_count_as_storage_errors():
     assert not is_storage_error(FileNotFoundError(2, "policy version 7 is not published"))
     assert not is_storage_error(TimeoutError("a wait of the project's own")) and not is_storage_error(OSError(12, "ENOMEM"))
     assert not is_storage_error(ValueError("a bug")) and not is_storage_error(KeyboardInterrupt())
+
+
+def test_a_dataset_is_a_parquet_file_or_a_folder_of_them_on_every_store(base_url):
+    from pipeline.builtin_tasks import make_rows
+    from pipeline.data import data_sources, read_prompts, stage, write_rows
+
+    write_rows(make_rows("sort", 5, 1, "train"), f"{base_url}/ds/part-0.parquet")
+    write_rows(make_rows("repeat", 7, 2, "train"), f"{base_url}/ds/part-1.parquet")
+    for src, rows in ((f"{base_url}/ds", 12), (f"{base_url}/ds/", 12), (f"{base_url}/ds/part-1.parquet", 7)):
+        assert stage(src, *url_to_fs(f"{base_url}/run/train.parquet"), "data.train") == rows
+        assert len(read_prompts(f"{base_url}/run/train.parquet")) == len(read_prompts(src)) == rows
+    assert data_sources(f"{base_url}/ds", "data.train") == {"builtin/sort", "builtin/repeat"}

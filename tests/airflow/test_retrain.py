@@ -6,7 +6,7 @@ from types import SimpleNamespace
 import pytest
 
 from plugins.registry import PolicyRegistry
-from plugins.retrain import partition_date, stage_partition
+from plugins.retrain import partition_date, partition_url
 
 
 def test_partition_date_is_the_logical_date_or_run_after_for_runs_without_one():
@@ -15,26 +15,32 @@ def test_partition_date_is_the_logical_date_or_run_after_for_runs_without_one():
     assert partition_date(None, SimpleNamespace(logical_date=None, run_after=when)) == "2026-11-15"
 
 
-def test_partition_files_are_concatenated_into_one_staged_file(tmp_path):
-    import pyarrow.parquet as pq
-
-    from pipeline.data import write_rows
+def test_a_dates_partition_folder_is_its_training_dataset(tmp_path):
+    """The partition's files were read whole into memory and written to a copy of their own, which
+    prepare then copied into the run again; the folder is now the run's data.train."""
     from pipeline.builtin_tasks import make_rows
+    from pipeline.data import read_prompts, stage, write_rows
+    from pipeline.storage import url_to_fs
 
     part = tmp_path / "prompts" / "ds=2026-11-15"
     write_rows(make_rows("sort", 5, 1, "train"), str(part / "a.parquet"))
     write_rows(make_rows("sort", 7, 2, "train"), str(part / "b.parquet"))
     write_rows(make_rows("sort", 3, 3, "train"), str(tmp_path / "prompts" / "ds=2026-11-08" / "a.parquet"))
-    dst = tmp_path / "staged" / "train.parquet"
-    assert stage_partition(str(tmp_path / "prompts"), "2026-11-15", str(dst)) == 12
-    assert pq.read_table(dst).num_rows == 12
+    url = partition_url(str(tmp_path / "prompts"), "2026-11-15")
+    assert url == f"{tmp_path}/prompts/ds=2026-11-15"
+    dst = tmp_path / "run" / "train.parquet"
+    assert stage(url, *url_to_fs(str(dst)), "data.train") == 12 and len(read_prompts(str(dst))) == 12
 
 
 def test_a_missing_partition_fails_naming_the_path(tmp_path):
     with pytest.raises(FileNotFoundError, match="ds=2026-11-22"):
-        stage_partition(str(tmp_path), "2026-11-22", str(tmp_path / "x.parquet"))
+        partition_url(str(tmp_path), "2026-11-22")
+    (tmp_path / "ds=2026-11-29").mkdir()
+    (tmp_path / "ds=2026-11-29" / ".part.parquet").write_bytes(b"")  # a writer's temporary file is no data
+    with pytest.raises(FileNotFoundError, match="ds=2026-11-29"):
+        partition_url(str(tmp_path), "2026-11-29")
     with pytest.raises(ValueError, match="YYYY-MM-DD"):
-        stage_partition(str(tmp_path), "../../etc", str(tmp_path / "x.parquet"))
+        partition_url(str(tmp_path), "../../etc")
 
 
 def test_registry_returns_the_latest_earlier_date_so_reruns_are_idempotent(tmp_path):

@@ -415,3 +415,40 @@ def test_the_length_check_tokenizes_on_every_core_and_leaves_the_setting_as_it_w
     monkeypatch.delenv("TOKENIZERS_PARALLELISM")
     within_length(read_prompts(url), _CharTokenizer(), cfg, str(tmp_path / "c"))
     assert "TOKENIZERS_PARALLELISM" not in os.environ
+
+
+def test_a_folder_of_parquet_shards_is_one_dataset(tmp_path):
+    """Hugging Face datasets and Spark write a dataset as shards; they were refused as not a file."""
+    from pipeline.data import data_sources, read_prompts, stage
+    from pipeline.storage import url_to_fs
+
+    shards = tmp_path / "train"
+    write_rows(make_rows("sort", 5, 1, "train"), str(shards / "part-00000.parquet"))
+    rows = make_rows("repeat", 7, 2, "train")
+    write_rows(rows, str(shards / "part-00001.parquet"))
+    (shards / "_SUCCESS").write_bytes(b"")
+    (shards / ".part-00002.parquet.tmp.parquet").write_bytes(b"partial")  # a writer's temporary file
+    dst = tmp_path / "run" / "train.parquet"
+    assert stage(str(shards), *url_to_fs(str(dst)), "data.train") == 12
+    staged = read_prompts(str(dst))
+    assert list(staged) == list(read_prompts(str(shards))) and len(staged) == 12
+    assert [p.ground_truth for p in staged][5:] == [r["reward_model"]["ground_truth"] for r in rows]
+    assert data_sources(str(shards), "data.train") == {"builtin/sort", "builtin/repeat"}
+    assert len(load_prompts(str(shards), limit=8)) == 5  # the first rows: the first file's
+    assert stage(str(shards), *url_to_fs(str(tmp_path / "eval.parquet")), "data.eval", limit=8) == 8
+
+    rows[4]["prompt"] = []  # a bad row is numbered in the whole dataset
+    write_rows(rows, str(shards / "part-00001.parquet"))
+    with pytest.raises(ConfigError, match=r"^data.train: dataset .* row 9 \(data_source 'builtin/repeat'\) has an empty"):
+        stage(str(shards), *url_to_fs(str(dst)), "data.train")
+    write_rows([{k: v for k, v in r.items() if k != "reward_model"} for r in rows], str(shards / "part-00001.parquet"))
+    with pytest.raises(ConfigError, match=r"lacks column 'reward_model.ground_truth'"):
+        stage(str(shards), *url_to_fs(str(dst)), "data.train")
+    write_rows([{**r, "extra_info": 3} for r in rows], str(shards / "part-00001.parquet"))
+    with pytest.raises(ConfigError, match=r"\(file part-00001.parquet\) does not have the columns and types of the "
+                                          r"dataset's first file"):
+        stage(str(shards), *url_to_fs(str(dst)), "data.train")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(ConfigError, match="holds no .parquet file"):
+        stage(str(empty), *url_to_fs(str(dst)), "data.train")
