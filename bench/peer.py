@@ -23,6 +23,12 @@ same curve; each is evaluated. The arms run on the same inputs:
   0.2 in both, but it binds only in ours: TRL with one iteration per batch clips the ratio to its
   own detached log-probs (always 1), ours to the sampler's behaviour policy, up to
   `sampler.max_staleness` versions old (the algorithms as each really runs);
+- the groups a step trains on: 16 prompts' in both. Where the config sets `sampler.oversample`
+  (the generation-heavy one: 1.25), ours picks them among the groups of more prompts (20), the
+  ones whose rewards vary most (`pipeline/sampler/groups.py`; its sampler would otherwise wait for
+  the trainer); TRL's GRPOTrainer has no such option and trains on every group it generates. The
+  completions ours generates and does not hand over count in its generated tokens (tokens to the
+  target, tokens per second). `ours_oversample` in the line;
 - each arm in its fastest precision on this CPU. The generation-heavy config trains in bf16
   (`trainer.dtype`) and samples in float32. TRL's one model trains and generates in one dtype:
   float32 by default, `--peer-bf16` for `bf16=True` (autocast, float32 master weights, eager
@@ -342,7 +348,7 @@ def run_regime(name: str, args, work: Path) -> dict:
             "eval_prompts": len(ev.prompts), "max_new_tokens": s["cfg"].sampler.max_new_tokens,
             "dtypes": {"ours_trainer": s["cfg"].trainer.dtype or s["cfg"].model.dtype, "ours_sampler": s["cfg"].model.dtype,
                        "trl": "bfloat16" if args.peer_bf16 else "float32"},
-            "order": order,
+            "order": order, "ours_oversample": s["cfg"].sampler.oversample,
             "trl_time_to_target_s": t["time_to_target_s"], "ours_time_to_target_s": o["time_to_target_s"],
             "ratio_time_to_target": ratio(o["time_to_target_s"], t["time_to_target_s"]),
             "trl_time_to_target_runs_s": t["runs_s"], "ours_time_to_target_runs_s": o["runs_s"],

@@ -89,6 +89,7 @@ def build_summary(run: RunDir, eval_before: dict, eval_after: dict, policy_versi
     sampler_starts = [r["time"] for r in sampler if r.get("event") == "start"]
     wall = attempts_wall(trainer_starts, sampler_starts, s_busy + t_busy)
     gen = [r for r in sampler if "sampler/samples" in r]
+    group = run.config().sampler.group_size if any(r.get("sampler/groups_dropped") for r in gen) else 0
     sampler_busy = sum(e - s for s, e in _union(s_busy))
     trainer_busy = sum(e - s for s, e in _union(t_busy))
     return {
@@ -101,7 +102,9 @@ def build_summary(run: RunDir, eval_before: dict, eval_after: dict, policy_versi
         "reward_first": round(fresh[0]["reward/mean"], 4) if fresh else None,
         "reward_last": round(fresh[-1]["reward/mean"], 4) if fresh else None,
         "steps": trainer[-1]["step"] if trainer else 0,
-        "samples_generated": sum(r["sampler/samples"] for r in gen),
+        # with sampler.oversample, the groups a batch generated but did not hand over count as generated
+        "samples_generated": sum(r["sampler/samples"] + r.get("sampler/groups_dropped", 0) * group for r in gen),
+        "groups_dropped": sum(r.get("sampler/groups_dropped", 0) for r in gen),
         "samples_dropped_stale": _dropped_samples(sampler),
         "samples_trained": sum(r["trainer/samples"] for r in trainer),
         "generated_tokens": sum(r["sampler/gen_tokens"] for r in gen),

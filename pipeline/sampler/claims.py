@@ -1,7 +1,7 @@
 """Prompt draws claimed by the sampler replicas of a run, and the draws they hold.
 
 The run's prompt order is one deterministic stream (`PromptStream`): draw k of the run is the
-batch at positions [k * prompts_per_batch, (k + 1) * prompts_per_batch). A sampler generates a
+batch at positions [k * n, (k + 1) * n), n = `sampler.prompts_drawn`. A sampler generates a
 draw only after claiming it with a create-only write of `claims/<k>.json` (`storage.put_if_absent`:
 a hard link locally, `If-None-Match: *` on S3), so exactly one replica gets each draw however
 many run, and a replica takes the next draw only when it is ready for one: fast replicas make most

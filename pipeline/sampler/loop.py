@@ -7,7 +7,7 @@ It runs until the stop marker appears or the trainer is done. Each iteration:
    published at or after its step minus `max_staleness`, so that timing never changes the data;
 2. wait while it is more than `max_staleness` versions ahead of the trainer (the rate limiter);
 3. claim the run's next prompt draw (`claims.py`: replicas never draw the same batch twice);
-4. generate `group_size` completions for each of `prompts_per_batch` prompts (seeded by the draw,
+4. generate `group_size` completions for each of `prompts_drawn` prompts (seeded by the draw,
    so a restarted sampler does not repeat its predecessor's sampling noise), record the
    behaviour log-probs and the policy version, score the batch (`pipeline.scoring`: a rule
    reward in a worker process with per-sample time limits, or the reward model);
@@ -21,17 +21,14 @@ It runs until the stop marker appears or the trainer is done. Each iteration:
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import os
 import random
 import time
-import uuid
 import zlib
-from datetime import datetime, timezone
 
 from ..buffer import ReplayBuffer, bounds_consumer_progress
-from ..buffer.schema import content_hash, to_table
+from ..buffer.schema import to_table
 from ..locations import validate_name
 from ..data import PromptRow, Prompts, every, held_out_within_length, read_prompts, within_length
 from ..devices import engine_loaded, set_threads
@@ -42,6 +39,7 @@ from ..scoring import BatchScores, RewardError, RewardSample, RewardScorer, chec
 from ..trainer.phases import phase_end_steps
 from .backend import GenParams, make_backend
 from .claims import DrawClaims
+from .groups import most_varied, rollout_rows
 
 log = logging.getLogger("rlhf.sampler")
 # Fault injection for the replica tests: "sampler-2=1.5,..." makes those replicas that much slower per batch.
@@ -128,32 +126,6 @@ def _score(scorer: RewardScorer, batch: list[PromptRow], groups: list, metrics) 
         metrics.log({"event": "reward_failed", "error": str(e)})
         raise
     return scored, time.time() - t0
-
-
-def _rows(batch: list[PromptRow], prompt_ids: list[list[int]], groups: list, scored: BatchScores, version: int,
-          sampler_id: str) -> tuple[list[dict], list[float], int]:
-    """Rollout records of one batch (whole groups), their rewards and generated token count."""
-    scores = iter(scored.scores)
-    rows, rewards, tokens = [], [], 0
-    now = datetime.now(timezone.utc)
-    for p, ids, group in zip(batch, prompt_ids, groups):
-        group_id = f"{p.prompt_id}-{uuid.uuid4().hex[:12]}"
-        for c in group:
-            s = next(scores)
-            rewards.append(s.reward)
-            tokens += len(c.token_ids)
-            rows.append({
-                "sample_id": uuid.uuid4().hex, "prompt_id": p.prompt_id, "group_id": group_id,
-                "data_source": p.data_source, "prompt_token_ids": ids,
-                "response_token_ids": c.token_ids, "response_text": c.text,
-                "behavior_logprobs": c.logprobs, "reward": s.reward, "token_rewards": None,
-                "reward_extra": json.dumps(s.extra) if s.extra else None,
-                "finish_reason": c.finish_reason, "policy_version": version,
-                "sampler_id": sampler_id, "created_at": now,
-                "content_hash": content_hash(ids, c.token_ids),
-                "tier": "l1", "replay_count": 0, "priority": 1.0,
-            })
-    return rows, rewards, tokens
 
 
 class Sampler:
@@ -341,14 +313,16 @@ class Sampler:
             self.wait()
         t0 = time.time()
         time.sleep(self.delay_s)
-        self.stream.position = draw * sc.prompts_per_batch
-        batch = self.stream.take(sc.prompts_per_batch)
+        self.stream.position = draw * sc.prompts_drawn
+        batch = self.stream.take(sc.prompts_drawn)
         prompt_ids = prompt_token_ids(tok, [p.messages for p in batch])
         groups = self.backend.generate(prompt_ids, sc.group_size,
                                        dataclasses.replace(self.params, seed=self.backend.call_seed(draw + 1)))
         gen_s = time.time() - t0
         scored, reward_s = _score(self.scorer, batch, groups, self.metrics)
-        rows, rewards, tokens = _rows(batch, prompt_ids, groups, scored, self.version, self.sampler_id)
+        rewards, tokens = [s.reward for s in scored.scores], sum(len(c.token_ids) for g in groups for c in g)
+        kept = most_varied(batch, prompt_ids, groups, scored, sc.prompts_per_batch)
+        rows = rollout_rows(*kept, self.version, self.sampler_id)
         if not self.claims.alone:  # others commit too: the writer checks the bound where the shard lands
             self.writer.admit = self._admit  # (alone, the count before claiming covered all ahead of it)
         self.writer.write(to_table(rows), tag=draw)
@@ -357,6 +331,7 @@ class Sampler:
         record = {
             "sampler/batch": self.claims.batches, "sampler/draw": draw, "sampler/dropped_stale": self._log_dropped(),
             "sampler/policy_version": self.version, "sampler/samples": len(rows),
+            "sampler/groups_dropped": len(groups) - len(kept[2]),
             "sampler/gen_tokens": tokens, "reward/mean": sum(rewards) / len(rewards),
             "timing_s/generate": gen_s, "timing_s/reward": reward_s, "timing_s/batch": t1 - t0,
             **scored.metrics(),

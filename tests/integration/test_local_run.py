@@ -44,10 +44,22 @@ def archived_groups_in_commit_order(buffer) -> list[list[float]]:
     return list(groups.values())
 
 
+def pq_read(url: str) -> dict:
+    import pyarrow.parquet as pq
+
+    from pipeline.storage import url_to_fs
+
+    fs, path = url_to_fs(url)
+    with fs.open(path, "rb") as f:
+        return pq.read_table(f, columns=["prompt_id", "group_id", "created_at"]).to_pydict()
+
+
 def test_two_processes_exchange_rollouts_and_policies(tmp_path, spawn):
+    """With sampler.oversample: each batch generates 12 prompts' groups and hands over the 8 whose
+    rewards vary most."""
     run_dir = tmp_path / "runs" / "it-local"
     p = _rlhf(spawn, "run", "configs/tiny-test.yaml", "--run-dir", f"file://{run_dir}", "--no-progress",
-              "--set", "trainer.steps=8")
+              "--set", "trainer.steps=8", "--set", "sampler.oversample=1.5")
     assert p.returncode == 0, p.stderr[-3000:]
     summary = json.loads((run_dir / "summary.json").read_text())
     run = RunDir(str(run_dir))
@@ -57,11 +69,13 @@ def test_two_processes_exchange_rollouts_and_policies(tmp_path, spawn):
     assert summary["samples_trained"] == 8 * per_step
     assert summary["samples_generated"] >= summary["samples_trained"]
 
-    # Nothing the sampler generated was lost on the way: every generated row is committed, and
+    # Nothing the sampler handed over was lost on the way: every such row is committed, and
     # finalize (the DAG's finalize step) archived all of L1 into L3.
     buffer = ReplayBuffer(run.buffer_url)
     tiers = buffer.stats()["tiers"]
-    assert tiers["l1"]["rows"] == 0 and tiers["l3"]["rows"] == summary["samples_generated"]
+    left_out = summary["groups_dropped"] * cfg.sampler.group_size
+    assert summary["groups_dropped"] > 0 and left_out == summary["samples_generated"] // 3
+    assert tiers["l1"]["rows"] == 0 and tiers["l3"]["rows"] == summary["samples_generated"] - left_out
     assert summary["compaction"]["l1_shards_in"] > 0
     assert summary["final_policy"]["version"] == 8 and summary["final_policy"]["verified"] is True
 
@@ -75,8 +89,25 @@ def test_two_processes_exchange_rollouts_and_policies(tmp_path, spawn):
         assert rec["reward/mean"] == pytest.approx(sum(rewards) / len(rewards), abs=1e-6)
         assert rec["staleness/max"] <= cfg.sampler.max_staleness
 
-    # The sampler picked up new policy versions without restarting.
+    # Each batch drew the next 12 prompts of the run's stream and handed over 8 of their groups.
+    from pipeline.data import read_prompts
+    from pipeline.sampler.loop import PromptStream
+
     sampler = [r for r in run.read_metrics("sampler-0") if "sampler/batch" in r]
+    assert cfg.sampler.prompts_drawn == 12 and all(r["sampler/groups_dropped"] == 4 for r in sampler)
+    stream = PromptStream(read_prompts(run.child_url("data", "train.parquet")), cfg.seed)
+    batches: dict = {}  # a batch's rows share their creation time
+    for t in (pq_read(f) for f in buffer.archive_files()):
+        for pid, gid, when in zip(t["prompt_id"], t["group_id"], t["created_at"]):
+            batches.setdefault(when, {})[gid] = pid
+    draws = []
+    for d in sorted(r["sampler/draw"] for r in sampler):
+        stream.position = d * 12
+        draws.append({p.prompt_id for p in stream.take(12)})
+    assert len(batches) == len(draws) and all(len(b) == 8 for b in batches.values())
+    assert all(any(set(b.values()) <= ids for ids in draws) for b in batches.values())
+
+    # The sampler picked up new policy versions without restarting.
     assert any(r["sampler/policy_version"] >= 1 for r in sampler)
     assert any("timing_s/reload" in r for r in sampler)
     assert PolicyStore(run).latest() == 8
