@@ -8,8 +8,9 @@ a list (Arrow list column) or a dict (Arrow struct column), and reach the reward
 A ground truth stored as a JSON string stays a string: the reward function decodes it, as in verl.
 
 A dataset is one Parquet file or a folder of them: every `*.parquet` directly in it, in name order
-(the shards Hugging Face datasets and Spark write, a `ds=<date>` partition), with the columns and
-types of the first. Prepare stages it into the run as one file.
+(the shards Hugging Face datasets and Spark write, a `ds=<date>` partition), all with the same
+columns (a column of nulls in one file takes the type the others give it). Prepare stages it into
+the run as one file.
 """
 
 from __future__ import annotations
@@ -63,31 +64,43 @@ def _where(url: str, path: str) -> str:
     return repr(url) if url.rstrip("/").rsplit("/", 1)[-1] == name else f"{url!r} (file {name})"
 
 
+def _unified(schemas: list[tuple[str, pa.Schema]], url: str, field: str) -> pa.Schema:
+    """One schema for the files' (a column of nulls in one file takes another's type)."""
+    schema = schemas[0][1]
+    for path, other in schemas[1:]:
+        try:
+            schema = pa.unify_schemas([schema, other], promote_options="default")
+        except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError) as e:
+            raise ConfigError(f"{field}: {_where(url, path)} does not have the columns and types of the dataset's other "
+                              f"files ({e}); give every file the same columns") from None
+    return schema
+
+
 def _conform(table: pa.Table, schema: pa.Schema, url: str, path: str, field: str) -> pa.Table:
-    """`table` with the column types of `schema` (the dataset's first file)."""
+    """`table` with the dataset's columns and types (`_unified`)."""
     if table.schema.equals(schema, check_metadata=False):
         return table
     try:
         return table.select(schema.names).cast(schema)
     except (KeyError, ValueError, pa.ArrowInvalid, pa.ArrowNotImplementedError) as e:
-        raise ConfigError(f"{field}: {_where(url, path)} does not have the columns and types of the dataset's first "
-                          f"file ({e}); give every file the same columns") from None
+        raise ConfigError(f"{field}: {_where(url, path)} does not have the columns and types of the dataset's other "
+                          f"files ({e}); give every file the same columns") from None
 
 
 def _read_table(url: str, field: str) -> pa.Table:
     """The whole dataset, each file read in one request."""
     fs, files = _dataset_files(url, field)
-    tables: list[pa.Table] = []
+    tables: list[tuple[str, pa.Table]] = []
     for path in files:
         with reaching(field, url):
             data = fs.cat_file(path)
         try:
-            table = parquet_from_bytes(data)
+            tables.append((path, parquet_from_bytes(data)))
         except (pa.ArrowInvalid, OSError) as e:
             raise ConfigError(f"{field}: {_where(url, path)} is not a readable Parquet file ({e})") from None
-        validate_schema(table.schema, None, url, field)
-        tables.append(_conform(table, tables[0].schema, url, path, field) if tables else table)
-    return pa.concat_tables(tables)
+        validate_schema(tables[-1][1].schema, None, url, field)
+    schema = _unified([(path, t.schema) for path, t in tables], url, field)
+    return pa.concat_tables([_conform(t, schema, url, path, field) for path, t in tables])
 
 
 @contextmanager
@@ -105,15 +118,18 @@ def _parquet_file(fs, path: str, url: str, field: str) -> Iterator[pq.ParquetFil
 
 
 def _batches(url: str, field: str, rows: int = 8192) -> Iterator[pa.Table]:
-    """The dataset's rows, up to `rows` at a time, file after file, with the first file's types."""
+    """The dataset's rows, up to `rows` at a time, file after file, with the dataset's types."""
     fs, files = _dataset_files(url, field)
-    schema = None
+    schemas = []
+    for path in files if len(files) > 1 else ():
+        with _parquet_file(fs, path, url, field) as pf:
+            schemas.append((path, pf.schema_arrow))
+    schema = _unified(schemas, url, field) if schemas else None
     for path in files:
         with _parquet_file(fs, path, url, field) as pf:
             for batch in pf.iter_batches(batch_size=rows, use_threads=False):
                 table = pa.Table.from_batches([batch])
-                schema = schema or table.schema
-                yield _conform(table, schema, url, path, field)
+                yield table if schema is None else _conform(table, schema, url, path, field)
 
 
 def validate_columns(table: pa.Table, url: str, field: str) -> None:

@@ -446,8 +446,12 @@ def test_a_folder_of_parquet_shards_is_one_dataset(tmp_path):
         stage(str(shards), *url_to_fs(str(dst)), "data.train")
     write_rows([{**r, "extra_info": 3} for r in rows], str(shards / "part-00001.parquet"))
     with pytest.raises(ConfigError, match=r"\(file part-00001.parquet\) does not have the columns and types of the "
-                                          r"dataset's first file"):
+                                          r"dataset's other files"):
         stage(str(shards), *url_to_fs(str(dst)), "data.train")
+    write_rows([{**r, "extra_info": None} for r in make_rows("repeat", 7, 2, "train")],  # a column of nulls
+               str(shards / "part-00001.parquet"))
+    assert stage(str(shards), *url_to_fs(str(dst)), "data.train") == 12
+    assert [p.extra_info for p in read_prompts(str(dst))][4:6] == [make_rows("sort", 5, 1, "train")[4]["extra_info"], None]
     empty = tmp_path / "empty"
     empty.mkdir()
     with pytest.raises(ConfigError, match="holds no .parquet file"):
