@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Iterator
@@ -41,14 +42,18 @@ class PromptRow:
     extra_info: dict | None
 
 
+def data_files(fs, folder: str) -> list[str]:
+    """The Parquet files directly in `folder`, in name order; names starting with '.' or '_' are not data."""
+    return sorted(p for p in fs.glob(f"{folder}/*.parquet") if not p.rsplit("/", 1)[-1].startswith((".", "_")))
+
+
 def _dataset_files(url: str, field: str) -> tuple[Any, list[str]]:
-    """The Parquet files of the dataset at `url` (see the module docstring); names starting with '.'
-    or '_' are not data."""
+    """The Parquet files of the dataset at `url` (see the module docstring)."""
     with reaching(field, url):
         fs, path = url_to_fs(url)
         path = path.rstrip("/")
         if fs.isdir(path):
-            files = sorted(p for p in fs.glob(f"{path}/*.parquet") if not p.rsplit("/", 1)[-1].startswith((".", "_")))
+            files = data_files(fs, path)
             if not files:
                 raise ConfigError(f"{field}: folder {url!r} holds no .parquet file; give a Parquet file, or a folder "
                                   "of them, in verl's column layout")
@@ -344,8 +349,6 @@ def held_out_within_length(url: str, tokenizer, data_cfg) -> tuple[list[PromptRo
 def every(seconds: float, say):
     """A `progress(done, total)` that calls `say(done, total)` at most once per `seconds`, from
     `seconds` after it is made (a short pass says nothing), and never for the end."""
-    import time
-
     said = [time.monotonic()]
 
     def progress(done: int, total: int) -> None:

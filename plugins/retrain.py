@@ -24,12 +24,13 @@ def registry_url(root: str, dag_id: str) -> str:
 def partition_url(prompts_root: str, date: str) -> str:
     """The dataset of `date`: the folder `<prompts_root>/ds=<date>` of Parquet files, which prepare
     stages into the run (`pipeline.data`: a folder of Parquet files is a dataset)."""
+    from pipeline.data import data_files
     from pipeline.storage import url_to_fs
 
     if not DATE_RE.match(date):
         raise ValueError(f"partition date {date!r} is not YYYY-MM-DD")
     fs, root = url_to_fs(prompts_root)
-    if not any(not p.rsplit("/", 1)[-1].startswith((".", "_")) for p in fs.glob(f"{root}/ds={date}/*.parquet")):
+    if not data_files(fs, f"{root}/ds={date}"):
         raise FileNotFoundError(f"no prompts for {date}: {prompts_root}/ds={date}/*.parquet is empty or missing")
     return f"{prompts_root}/ds={date}"
 
