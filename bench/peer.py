@@ -133,6 +133,10 @@ def regime_settings(name: str, args) -> dict:
         s["seed"] = args.seed
     s["cfg"] = load_config(str(ROOT / s["config"]), overrides(s, args.eval_size))
     trl_settings(s["cfg"])  # a setting TRL's arm cannot run ends the bench before any arm runs
+    try:
+        arm_order(["ours"], args.repeats)
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
     return s
 
 
@@ -194,7 +198,10 @@ def trl_settings(cfg) -> list[str]:
               "trainer.kl_estimator": (tc.kl_estimator if tc.kl_coef else "k3", "k3"),
               "trainer.entropy_coef": (tc.entropy_coef, 0.0),
               "trainer.warmup_steps": (tc.warmup_steps, 0),  # HF's warmup starts at 0, ours at lr / warmup
-              "trainer.weight_decay": (tc.weight_decay, 0.0)}  # HF's decay skips biases and norms, ours does not
+              "trainer.weight_decay": (tc.weight_decay, 0.0),  # HF's decay skips biases and norms, ours does not
+              # TRL clips its ratio to its own detached log-probs; ours without `decoupled` clips to the
+              # behaviour policy, the nearest it has (the docstring); decoupled PPO has no TRL counterpart
+              "trainer.decoupled": (tc.decoupled, False)}
     for key, (have, trl) in unlike.items():
         if have != trl:
             raise SystemExit(f"{key}={have!r}: TRL's arm runs only {trl!r}")
@@ -306,8 +313,11 @@ def trl_figures(trl: dict, curve: list[list], target: float) -> dict:
 
 
 def arm_order(arms: list[str], repeats: int) -> list[str]:
-    """The arms forwards, then backwards, and so on: a palindrome for an even `repeats`, so that a
-    machine whose speed drifts over the bench (20-30% over minutes here) weighs on every arm alike."""
+    """The arms forwards, then backwards, and so on: a palindrome, so that a machine whose speed
+    drifts over the bench (20-30% over minutes here) weighs on every arm alike. Only an even
+    `repeats` makes one (or 1, a single pass): ValueError for 3, 5, ..."""
+    if repeats < 1 or (repeats > 1 and repeats % 2):
+        raise ValueError(f"--repeats {repeats}: 1 or an even number (the arms run in a palindrome)")
     return [a for r in range(repeats) for a in (arms if r % 2 == 0 else arms[::-1])]
 
 

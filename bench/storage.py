@@ -81,7 +81,10 @@ def main(argv=None) -> int:
 
     resolve_sources(load_config(config, sets))  # the built-in model and prompts, before either clock
     subprocess.run([sys.executable, "-c", IMPORTS], cwd=ROOT, check=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
-    order = arm_order(["local", "s3"], repeats)
+    try:
+        order = arm_order(["local", "s3"], repeats)
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
     runs: dict[str, list[dict]] = {"local": [], "s3": []}
     with tempfile.TemporaryDirectory(prefix="rlhf-storage-") as tmp, moto_s3("rlhf-bench") as bucket:
         for arm in order:
