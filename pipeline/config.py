@@ -118,7 +118,7 @@ class SamplerConfig(_Section):
     prompts_per_batch: int = Field(16, gt=0)
     """Prompts whose groups a batch hands to the buffer (one rollout shard per batch); with `oversample`, a batch generates more and keeps these."""
     oversample: float = Field(1.0, ge=1.0, le=4.0)
-    """A batch generates the groups of ceil(prompts_per_batch x oversample) prompts and hands over the prompts_per_batch groups whose rewards vary most (standard deviation); the others are dropped (`sampler/groups_dropped`). A group that scores alike teaches GRPO nothing (DAPO's dynamic sampling drops those), and the ranking prefers prompts the policy solves only sometimes. Worth it where the sampler would otherwise wait for the trainer (configs/tiny-grpo-long.yaml: 1.25, with what it measured). 1.0: every group generated is trained on."""
+    """A batch generates the groups of ceil(prompts_per_batch x oversample) prompts and hands over the prompts_per_batch groups whose rewards vary most (standard deviation); the others go to the archive, L3, untrained (`sampler/groups_dropped`). A group that scores alike teaches GRPO nothing (DAPO's dynamic sampling drops those), and the ranking prefers prompts the policy solves only sometimes. Worth it where the sampler would otherwise wait for the trainer (configs/tiny-grpo-long.yaml: 1.25, with what it measured). 1.0: every group generated is trained on."""
     max_new_tokens: int = Field(16, gt=0)
     """Longest completion, in tokens; generation stops there or at the end-of-sequence token."""
     temperature: float = Field(1.0, gt=0)

@@ -24,6 +24,7 @@ per group, `parquet` (and pipeline.rescore) write each batch as it comes (`write
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 from typing import Iterable, Iterator
@@ -35,6 +36,8 @@ import pyarrow.parquet as pq
 from .config import ConfigError
 from .rundir import RunDir, url_is_under, validate_run_url
 from .storage import is_local, staged_file, url_to_fs
+
+log = logging.getLogger("rlhf.export")
 
 FORMATS = ("sft", "dpo", "parquet")
 LIGHT_COLUMNS = ("group_id", "prompt_id", "sample_id", "response_text", "reward", "policy_version", "data_source")
@@ -147,13 +150,20 @@ def write_table(table: pa.Table, fs, path: str) -> None:
 
 
 def archive_dataset(run: RunDir):
-    """The run's committed archive (L3), a pyarrow dataset; a ConfigError when it holds no rows."""
+    """The run's committed archive (L3), a pyarrow dataset; a ConfigError when it holds no rows, and
+    a warning when L1 holds rows it does not yet (a run not finalized: with `sampler.oversample` its
+    archive holds the groups not handed over from the start)."""
     from .buffer import ReplayBuffer
 
-    dataset = ReplayBuffer(run.buffer_url, run.config().buffer).archive_dataset()
+    buffer = ReplayBuffer(run.buffer_url, run.config().buffer)
+    dataset = buffer.archive_dataset()
+    hint = f"finalize the run first, or archive what the trainer consumed with `rlhf buffer compact {run.url}`"
     if dataset.count_rows() == 0:  # Parquet footers only
-        raise ConfigError(f"{run.url}: the archive (L3) is empty; finalize the run first, or archive what the "
-                          f"trainer consumed with `rlhf buffer compact {run.url}` (--all for everything)")
+        raise ConfigError(f"{run.url}: the archive (L3) is empty; {hint} (--all for everything)")
+    pending = sum(s.rows for s in buffer.state.tier_shards("l1"))
+    if pending:
+        log.warning("%s: %d rows in L1 are not in the archive yet, and not in what this reads; %s", run.url,
+                    pending, hint)
     return dataset
 
 

@@ -17,9 +17,11 @@ Tiers and their bounds (BufferConfig):
 - L2 warm: consumed groups that pass the quality filter (`promote`), drawn by proportional
   prioritized replay with importance weights (`sample_replay`, `update_priorities`) up to
   `max_replays_per_group` times. Bound `l2_max_groups`: shards whose groups used up their replays
-  leave first, then the oldest shards (FIFO). L2 holds copies; the archive is built from L1.
-- L3 cold: large zstd files partitioned by run and policy version (`compact`). Bounds
-  `l3_retention_s` and `l3_max_rows`: the oldest files are dropped first.
+  leave first, then the oldest shards (FIFO). L2 holds copies; the archive is built from L1, and
+  from the groups a sampler did not hand over (`sampler.oversample`), in small files of their own.
+- L3 cold: zstd files partitioned by run, rows ordered by policy version; `compact` merges them
+  into large ones and applies the bounds `l3_retention_s` and `l3_max_rows`: the oldest files are
+  dropped first.
 
 Bad shards are quarantined (kept on storage, listed by `stats` and `verify`); `vacuum` removes
 orphans after `orphan_grace_s`. See buffer.py for the API.

@@ -1,5 +1,10 @@
 """L3 cold tier: compaction of consumed L1 shards into large zstd files, and archive retention.
 
+Besides compaction, a sampler archives the groups it generated and did not hand over
+(`sampler.oversample`) straight into L3 (`ShardWriter.write(..., archive=...)`), small files that
+the next compaction merges: the archive holds every group generated, trained on or not (the
+lineage ledger names those trained on).
+
 Files land under `l3/run=<run_id>/part-<id>.parquet` (Hive partitioning by run), each of up to
 `compact_target_rows` rows ordered by `policy_version` (a group's rows stay together); a file's
 version range is in the log and in its Parquet statistics, so a reader filtering on versions skips
@@ -45,6 +50,16 @@ def run_id_of(buf: "ReplayBuffer") -> str:
         return validate_run_id(name)
     except ConfigError:
         return "default"
+
+
+def archive_path(buf: "ReplayBuffer") -> str:
+    """A new L3 file's path, relative to the buffer's root."""
+    return f"l3/run={run_id_of(buf)}/part-{uuid.uuid4().hex}.parquet"
+
+
+def as_archived(table: pa.Table) -> pa.Table:
+    """Rollout rows as L3 holds them (their `tier` column says so)."""
+    return table.set_column(table.schema.get_field_index("tier"), "tier", pa.array(["l3"] * table.num_rows))
 
 
 def _chunks(shards: list[ShardInfo], max_rows: int) -> list[list[ShardInfo]]:
@@ -109,12 +124,11 @@ def _compact_chunk(buf: "ReplayBuffer", chunk: list[ShardInfo]) -> int:
             inputs.append(info.path)
     if not inputs:
         return 0
-    table = pa.concat_tables(tables)
-    table = table.set_column(table.schema.get_field_index("tier"), "tier", pa.array(["l3"] * table.num_rows))
+    table = as_archived(pa.concat_tables(tables))
     table = table.take(pc.sort_indices(table, [("policy_version", "ascending")]))  # stable: groups stay whole
     table, gsizes = group_layout(table)
     data = encode(table, "zstd")
-    rel = f"l3/run={run_id_of(buf)}/part-{uuid.uuid4().hex}.parquet"
+    rel = archive_path(buf)
     write_shard(buf.fs, buf.root, rel, data, fsync=True)  # inputs go once this commits
     # a merge of archive files keeps their newest time (retention goes by it); a compaction of L1 takes now
     t = max((s.t for s in chunk if s.tier == "l3"), default=None) or time.time()

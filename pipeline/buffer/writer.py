@@ -13,6 +13,11 @@ otherwise (its file deleted, its tag in `dropped`). The check runs as the commit
 a commit succeeds only as the entry right after the state the check saw, and after a lost race it
 runs again on the refreshed state, so it sees exactly the groups committed before the shard, every
 other writer's included.
+
+A shard may come with groups to archive (`write(..., archive=...)`: a sampler's groups that it
+generated and did not hand over): they go straight to L3 as a zstd file of their own, committed in
+the same log entry as the shard, and count in none of the writer's L1 figures. A shard the admit
+check refuses is dropped with them.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ import pyarrow.compute as pc
 
 from ..storage import delete, join
 from .actions import AddShard
+from .archive import archive_path, as_archived
 from .log import CommitConflict
 from .shards import conform, encode, group_layout, new_shard_path, policy_range, validate_writer_id, write_shard
 
@@ -75,19 +81,21 @@ class ShardWriter:
         for t in self._threads:
             t.start()
 
-    def write(self, table: pa.Table, tag: Any = None) -> None:
-        """Queue a shard of whole groups in the rollout schema; `tag` names it in `dropped`."""
+    def write(self, table: pa.Table, tag: Any = None, archive: pa.Table | None = None) -> None:
+        """Queue a shard of whole groups in the rollout schema for L1; `tag` names it in `dropped`.
+        `archive`: whole groups in the same schema that go to L3 instead, in the same commit."""
         self._raise_if_failed()
         if self._closed:
             raise RuntimeError(f"buffer writer {self.writer_id!r} is closed")
         if table.num_rows == 0:
-            return
+            return  # (groups to archive come only with a shard)
         table = conform(table)
+        archive = conform(archive) if archive is not None and archive.num_rows else None
         groups = pc.count_distinct(table.column("group_id")).as_py()
         with self._pending_lock:
             self._pending += groups
         self.groups_written += groups
-        self._tables.put((table, tag))
+        self._tables.put((table, tag, archive))
 
     def pending_groups(self) -> int:
         """Groups queued by `write` that are not committed yet."""
@@ -133,7 +141,8 @@ class ShardWriter:
                     self._files.put(_STOP)
                     return
                 if self._error is None:
-                    self._files.put((self._prepare(item[0]), item[1]))
+                    table, tag, archive = item
+                    self._files.put((self._prepare(table, archive), tag))
                 else:
                     self._skipped += 1
             except BaseException as e:  # surfaced on the caller's next write/flush/close
@@ -141,16 +150,21 @@ class ShardWriter:
             finally:
                 self._tables.task_done()
 
-    def _prepare(self, table: pa.Table) -> AddShard:
-        """Encode and write the data file; returns the log action that will commit it."""
-        table, gsizes = group_layout(table)
-        data = encode(table, self.compression)
-        rel = new_shard_path("l1", self.writer_id)
-        buf = self.buffer
-        write_shard(buf.fs, buf.root, rel, data, fsync=buf.config.fsync)
-        if buf.shard_copies is not None:
-            buf.shard_copies.keep(rel, data)
-        return AddShard(rel, "l1", table.num_rows, len(data), tuple(gsizes), policy_range(table), time.time())
+    def _prepare(self, table: pa.Table, archive: pa.Table | None) -> list[AddShard]:
+        """Encode and write the data files (L1's, L3's); returns the log actions that will commit them."""
+        buf, actions = self.buffer, []
+        for tier, rows in (("l1", table), ("l3", archive)):
+            if rows is None or rows.num_rows == 0:
+                continue
+            rows, gsizes = group_layout(rows if tier == "l1" else as_archived(rows))
+            data = encode(rows, self.compression if tier == "l1" else "zstd")
+            rel = new_shard_path("l1", self.writer_id) if tier == "l1" else archive_path(buf)
+            write_shard(buf.fs, buf.root, rel, data, fsync=buf.config.fsync)
+            if tier == "l1" and buf.shard_copies is not None:
+                buf.shard_copies.keep(rel, data)
+            actions.append(AddShard(rel, tier, rows.num_rows, len(data), tuple(gsizes), policy_range(rows),
+                                    time.time()))
+        return actions
 
     def _commit_loop(self) -> None:
         stop = False
@@ -170,23 +184,26 @@ class ShardWriter:
                     t0 = time.perf_counter()
                     committed = self._commit(items)
                     self.commits.append(time.perf_counter() - t0)
-                    self.rows_written += sum(a.rows for a in committed)
+                    self.rows_written += sum(a.rows for a in committed if a.tier == "l1")
             except BaseException as e:
                 self._error = e
             finally:
                 with self._pending_lock:
-                    self._pending -= sum(a.num_groups for a, _ in items)
+                    self._pending -= sum(a.num_groups for acts, _ in items for a in acts if a.tier == "l1")
                 for _ in batch:
                     self._files.task_done()
 
-    def _commit(self, items: list[tuple[AddShard, Any]]) -> list[AddShard]:
+    def _commit(self, items: list[tuple[list[AddShard], Any]]) -> list[AddShard]:
         """Commit the shards as one entry, less those the admit check refuses; returns those committed."""
-        actions, admit = [a for a, _ in items], self.admit
-        tags = {a.path: tag for a, tag in items}
+        actions, admit = [a for acts, _ in items for a in acts], self.admit
+        tags = {acts[0].path: tag for acts, tag in items}  # the shard's (first), and its archived groups
+        archived_with = {acts[0].path: acts[1:] for acts, _ in items}
 
         def check(st) -> None:
             position, refused = st.l1_groups_added, []
             for a in actions:
+                if a.tier != "l1":
+                    continue  # archived: no bound applies
                 if admit(position, a):
                     position += a.num_groups
                 else:
@@ -199,16 +216,18 @@ class ShardWriter:
                 self.buffer.commit(actions, precondition=None if admit is None else check, writer=self.writer_id)
                 return actions
             except _Refused as e:
+                gone = [x for a in e.refused for x in (a, *archived_with[a.path])]
                 for a in e.refused:
-                    self._drop(a, tags[a.path])
-                actions = [a for a in actions if a not in e.refused]
+                    self._drop(a, tags[a.path], archived_with[a.path])
+                actions = [a for a in actions if a not in gone]
         return []
 
-    def _drop(self, action: AddShard, tag: Any) -> None:
+    def _drop(self, action: AddShard, tag: Any, archived: list[AddShard]) -> None:
         log.info("buffer writer %s: shard %s (%d groups) refused by the admit check; dropped",
                  self.writer_id, action.path, action.num_groups)
         self.dropped.append(tag)
-        try:  # no entry names it: nobody reads it (else vacuum removes it as an orphan)
-            delete(self.buffer.fs, join(self.buffer.root, action.path))
-        except OSError as e:
-            log.warning("buffer writer %s: could not delete %s (%s); vacuum will", self.writer_id, action.path, e)
+        for path in (action.path, *(a.path for a in archived)):
+            try:  # no entry names it: nobody reads it (else vacuum removes it as an orphan)
+                delete(self.buffer.fs, join(self.buffer.root, path))
+            except OSError as e:
+                log.warning("buffer writer %s: could not delete %s (%s); vacuum will", self.writer_id, path, e)

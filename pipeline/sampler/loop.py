@@ -28,7 +28,6 @@ import time
 import zlib
 
 from ..buffer import ReplayBuffer, bounds_consumer_progress
-from ..buffer.schema import to_table
 from ..locations import validate_name
 from ..data import PromptRow, Prompts, every, held_out_within_length, read_prompts, within_length
 from ..devices import engine_loaded, set_threads
@@ -39,7 +38,7 @@ from ..scoring import BatchScores, RewardError, RewardSample, RewardScorer, chec
 from ..trainer.phases import phase_end_steps
 from .backend import GenParams, make_backend
 from .claims import DrawClaims
-from .groups import most_varied, rollout_rows
+from .groups import most_varied, shard_tables
 
 log = logging.getLogger("rlhf.sampler")
 # Fault injection for the replica tests: "sampler-2=1.5,..." makes those replicas that much slower per batch.
@@ -321,16 +320,16 @@ class Sampler:
         gen_s = time.time() - t0
         scored, reward_s = _score(self.scorer, batch, groups, self.metrics)
         rewards, tokens = [s.reward for s in scored.scores], sum(len(c.token_ids) for g in groups for c in g)
-        kept = most_varied(batch, prompt_ids, groups, scored, sc.prompts_per_batch)
-        rows = rollout_rows(*kept, self.version, self.sampler_id)
+        kept, left = most_varied(batch, prompt_ids, groups, scored, sc.prompts_per_batch)
+        rows, archive = shard_tables(kept, left, self.version, self.sampler_id)
         if not self.claims.alone:  # others commit too: the writer checks the bound where the shard lands
             self.writer.admit = self._admit  # (alone, the count before claiming covered all ahead of it)
-        self.writer.write(to_table(rows), tag=draw)
+        self.writer.write(rows, tag=draw, archive=archive)  # the groups not handed over go to the archive
         t1 = time.time()
         self.claims.release(draw, t1 - t0)
         record = {
             "sampler/batch": self.claims.batches, "sampler/draw": draw, "sampler/dropped_stale": self._log_dropped(),
-            "sampler/policy_version": self.version, "sampler/samples": len(rows),
+            "sampler/policy_version": self.version, "sampler/samples": rows.num_rows,
             "sampler/groups_dropped": len(groups) - len(kept[2]),
             "sampler/gen_tokens": tokens, "reward/mean": sum(rewards) / len(rewards),
             "timing_s/generate": gen_s, "timing_s/reward": reward_s, "timing_s/batch": t1 - t0,

@@ -4,10 +4,13 @@ import json
 import threading
 
 import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 from rollout_factory import make_groups
 
 from pipeline.buffer import ReplayBuffer
+from pipeline.config import BufferConfig
+from pipeline.storage import url_to_fs
 
 
 def _write(buf, writer_id, shards):
@@ -195,6 +198,52 @@ def test_an_admit_check_sees_the_groups_another_process_committed_since_the_writ
     assert ReplayBuffer(buffer_url).committed_groups() == 6
     report = ReplayBuffer(buffer_url).verify()
     assert report["ok"] and report["unreferenced_files"] == 0  # the refused shard's file is gone
+
+
+def _ids(*parts):
+    return sorted({g for prefix, n in parts for g in make_groups(prefix, n).column("group_id").to_pylist()})
+
+
+def test_groups_given_to_archive_go_to_l3_in_the_same_commit_and_count_in_no_l1_figure(buffer_url):
+    """A sampler's groups that it generated and did not hand over (`sampler.oversample`)."""
+    buf = ReplayBuffer(buffer_url, BufferConfig(shard_compression="snappy"))
+    version = buf.refresh().version
+    with buf.writer("w0") as w:  # queued together: one group commit, one L3 file per shard
+        for k in range(3):
+            w.write(make_groups(f"s{k}", 2), archive=make_groups(f"s{k}-left", 1))
+        w.flush()
+        assert w.groups_written == 6 and w.pending_groups() == 0 and w.rows_written == 24
+    fresh = ReplayBuffer(buffer_url)
+    assert 1 <= fresh.refresh().version - version <= 3 and fresh.committed_groups() == 6
+    table, _ = fresh.read_fresh(None, 100)
+    assert sorted(set(table.column("group_id").to_pylist())) == _ids(("s0", 2), ("s1", 2), ("s2", 2))
+    archive = fresh.archive_dataset().to_table()
+    assert sorted(set(archive.column("group_id").to_pylist())) == _ids(("s0-left", 1), ("s1-left", 1), ("s2-left", 1))
+    assert set(archive.column("tier").to_pylist()) == {"l3"} and fresh.stats()["tiers"]["l3"]["rows"] == 12
+    for url in fresh.archive_files():  # L3 is zstd whatever the shards' codec
+        fs, path = url_to_fs(url)
+        with fs.open(path, "rb") as f:
+            assert pq.ParquetFile(f).metadata.row_group(0).column(0).compression == "ZSTD"
+    assert fresh.verify()["ok"]
+
+
+def test_a_shard_the_admit_check_refuses_is_dropped_with_its_groups_to_archive(buffer_url):
+    buf = ReplayBuffer(buffer_url)
+    version = buf.refresh().version
+
+    def admit(before, shard):  # room for 3 groups
+        return before + shard.num_groups <= 3
+
+    with buf.writer("w0", admit=admit) as w:
+        w.write(make_groups("a", 2), tag="a", archive=make_groups("a-left", 1))
+        w.flush()
+        w.write(make_groups("b", 2), tag="b", archive=make_groups("b-left", 2))  # past the bound
+    assert w.dropped == ["b"] and w.pending_groups() == 0 and w.rows_written == 8
+    fresh = ReplayBuffer(buffer_url)
+    assert fresh.refresh().version == version + 1 and fresh.committed_groups() == 2
+    assert sorted(set(fresh.archive_dataset().to_table().column("group_id").to_pylist())) == _ids(("a-left", 1))
+    report = fresh.verify()
+    assert report["ok"] and report["unreferenced_files"] == 0  # the refused shard's files are gone
 
 
 def test_writers_racing_under_an_admit_check_commit_exactly_what_it_allows(buffer_url):

@@ -23,9 +23,10 @@ def _rlhf(spawn, *args, timeout=300):
                      env=env)
 
 
-def archived_groups_in_commit_order(buffer) -> list[list[float]]:
-    """The rewards of each archived group, groups in the order the sampler committed them: L3 files
-    keep the rows of a sampler batch in order, and a batch's rows share its creation time."""
+def archived_groups_in_commit_order(buffer, only: set[str]) -> list[list[float]]:
+    """The rewards of each archived group among `only` (group ids), groups in the order the sampler
+    committed them: L3 files keep the rows of a sampler shard in order, and a batch's rows share its
+    creation time."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -36,7 +37,7 @@ def archived_groups_in_commit_order(buffer) -> list[list[float]]:
     for url in buffer.archive_files():
         with fs.open(url_to_fs(url)[1], "rb") as f:
             tables.append(pq.read_table(f, columns=["group_id", "reward", "created_at"]))
-    rows = pa.concat_tables(tables).to_pylist()
+    rows = [r for r in pa.concat_tables(tables).to_pylist() if r["group_id"] in only]
     order = sorted(range(len(rows)), key=lambda i: (rows[i]["created_at"], i))
     groups: dict[str, list[float]] = {}
     for i in order:
@@ -55,8 +56,8 @@ def pq_read(url: str) -> dict:
 
 
 def test_two_processes_exchange_rollouts_and_policies(tmp_path, spawn):
-    """With sampler.oversample: each batch generates 12 prompts' groups and hands over the 8 whose
-    rewards vary most."""
+    """With sampler.oversample: each batch generates 12 prompts' groups, hands over the 8 whose
+    rewards vary most and archives the other 4."""
     run_dir = tmp_path / "runs" / "it-local"
     p = _rlhf(spawn, "run", "configs/tiny-test.yaml", "--run-dir", f"file://{run_dir}", "--no-progress",
               "--set", "trainer.steps=8", "--set", "sampler.oversample=1.5")
@@ -69,20 +70,33 @@ def test_two_processes_exchange_rollouts_and_policies(tmp_path, spawn):
     assert summary["samples_trained"] == 8 * per_step
     assert summary["samples_generated"] >= summary["samples_trained"]
 
-    # Nothing the sampler handed over was lost on the way: every such row is committed, and
-    # finalize (the DAG's finalize step) archived all of L1 into L3.
+    # Nothing the sampler generated was lost on the way: every row it handed over is committed and
+    # finalize (the DAG's finalize step) archived all of L1 into L3, where the groups it did not
+    # hand over went straight away, untrained.
+    from pipeline.export import usage_counts
+
     buffer = ReplayBuffer(run.buffer_url)
     tiers = buffer.stats()["tiers"]
     left_out = summary["groups_dropped"] * cfg.sampler.group_size
     assert summary["groups_dropped"] > 0 and left_out == summary["samples_generated"] // 3
-    assert tiers["l1"]["rows"] == 0 and tiers["l3"]["rows"] == summary["samples_generated"] - left_out
+    assert tiers["l1"]["rows"] == 0 and tiers["l3"]["rows"] == summary["samples_generated"]
     assert summary["compaction"]["l1_shards_in"] > 0
+    batches: dict = {}  # a batch's rows share their creation time, those it archived too
+    for t in (pq_read(f) for f in buffer.archive_files()):
+        for pid, gid, when in zip(t["prompt_id"], t["group_id"], t["created_at"]):
+            batches.setdefault(when, {})[gid] = pid
+    batches = [batches[when] for when in sorted(batches)]
+    uses = usage_counts(run)  # the groups trained on: the first the sampler handed over, 8 per batch
+    trained = [sum(g in uses for g in b) for b in batches]
+    assert all(len(b) == 12 for b in batches) and set(uses) <= {g for b in batches for g in b}
+    assert sum(trained) == 8 * cfg.trainer.groups_per_step and all(u == [1, 0] for u in uses.values())
+    assert trained == sorted(trained, reverse=True) and max(trained) == 8
     assert summary["final_policy"]["version"] == 8 and summary["final_policy"]["verified"] is True
 
     # The trainer consumed exactly the sampler's rows, in commit order: each step's logged mean
     # reward is the mean reward of the next `groups_per_step` committed groups.
     trainer = [r for r in run.read_metrics("trainer") if "step" in r]
-    groups = archived_groups_in_commit_order(buffer)
+    groups = archived_groups_in_commit_order(buffer, set(uses))
     for i, rec in enumerate(trainer):
         rewards = [x for g in groups[i * cfg.trainer.groups_per_step:(i + 1) * cfg.trainer.groups_per_step] for x in g]
         assert len(rewards) == per_step
@@ -96,16 +110,12 @@ def test_two_processes_exchange_rollouts_and_policies(tmp_path, spawn):
     sampler = [r for r in run.read_metrics("sampler-0") if "sampler/batch" in r]
     assert cfg.sampler.prompts_drawn == 12 and all(r["sampler/groups_dropped"] == 4 for r in sampler)
     stream = PromptStream(read_prompts(run.child_url("data", "train.parquet")), cfg.seed)
-    batches: dict = {}  # a batch's rows share their creation time
-    for t in (pq_read(f) for f in buffer.archive_files()):
-        for pid, gid, when in zip(t["prompt_id"], t["group_id"], t["created_at"]):
-            batches.setdefault(when, {})[gid] = pid
     draws = []
     for d in sorted(r["sampler/draw"] for r in sampler):
         stream.position = d * 12
         draws.append({p.prompt_id for p in stream.take(12)})
-    assert len(batches) == len(draws) and all(len(b) == 8 for b in batches.values())
-    assert all(any(set(b.values()) <= ids for ids in draws) for b in batches.values())
+    # batch k's groups, 8 handed over and 4 archived: the 12 prompts of draw k
+    assert [set(b.values()) for b in batches] == draws
 
     # The sampler picked up new policy versions without restarting.
     assert any(r["sampler/policy_version"] >= 1 for r in sampler)

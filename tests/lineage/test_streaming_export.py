@@ -298,3 +298,23 @@ def test_a_run_on_an_object_store_exports_the_same_rows(tmp_path, small_batches)
         assert same_table(pq.read_table(out).drop_columns(["fresh_uses", "replay_uses"]), as_written(whole_archive(mem)))
     finally:
         fsspec.filesystem("memory").rm(url.removeprefix("memory://").split("/")[0], recursive=True)
+
+
+def test_before_finalize_the_export_says_what_l1_holds_that_the_archive_does_not(tmp_path, caplog):
+    """With sampler.oversample, L3 holds the groups not handed over from the start; the groups
+    handed over reach it at finalize (or `rlhf buffer compact`)."""
+    run = RunDir(str(tmp_path / "runs" / "early"))
+    run.create(parse_config(yaml.safe_load((REPO / "configs" / "tiny-test.yaml").read_text())))
+    write_rows([{"data_source": "synth", "prompt": [{"role": "user", "content": f"question {i}"}],
+                 "reward_model": {"ground_truth": str(i)}} for i in range(4)], run.child_url("data", "train.parquet"))
+    pids = [p.prompt_id for p in load_prompts(run.child_url("data", "train.parquet"))]
+    rng = np.random.default_rng(3)
+    with ReplayBuffer(run.buffer_url, run.config().buffer).writer("sampler-0") as w:
+        w.write(_rollouts(pids, 0, 3, rng))
+    with pytest.raises(ConfigError, match=r"the archive \(L3\) is empty; finalize the run first"):
+        export(run.url, "parquet", str(tmp_path / "none.parquet"))
+    with ReplayBuffer(run.buffer_url, run.config().buffer).writer("sampler-0") as w:
+        w.write(_rollouts(pids, 3, 2, rng), archive=_rollouts(pids, 5, 1, rng))
+    with caplog.at_level("WARNING", logger="rlhf.export"):
+        assert export(run.url, "parquet", str(tmp_path / "early.parquet"))["rows"] == GROUP_SIZE
+    assert "20 rows in L1 are not in the archive yet" in caplog.text and "finalize the run first" in caplog.text
