@@ -2,8 +2,9 @@
 
 Besides compaction, a sampler archives the groups it generated and did not hand over
 (`sampler.oversample`) straight into L3 (`ShardWriter.write(..., archive=...)`), small files that
-the next compaction merges: the archive holds every group generated, trained on or not (the
-lineage ledger names those trained on).
+the next compaction merges: the archive holds the groups handed over and the others, trained on
+or not (the lineage ledger names those trained on); a draw the staleness bound refuses (several
+replicas) is dropped whole.
 
 Files land under `l3/run=<run_id>/part-<id>.parquet` (Hive partitioning by run), each of up to
 `compact_target_rows` rows ordered by `policy_version` (a group's rows stay together); a file's
