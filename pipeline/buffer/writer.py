@@ -154,7 +154,7 @@ class ShardWriter:
         """Encode and write the data files (L1's, L3's); returns the log actions that will commit them."""
         buf, actions = self.buffer, []
         for tier, rows in (("l1", table), ("l3", archive)):
-            if rows is None or rows.num_rows == 0:
+            if rows is None:  # (`write` passes no empty table)
                 continue
             rows, gsizes = group_layout(rows if tier == "l1" else as_archived(rows))
             data = encode(rows, self.compression if tier == "l1" else "zstd")

@@ -59,11 +59,10 @@ def shard_tables(kept: tuple, left: tuple | None, version: int, sampler_id: str)
 
 
 def rollout_rows(batch: list[PromptRow], prompt_ids: list[list[int]], groups: list, scored: BatchScores,
-                 version: int, sampler_id: str, now: datetime | None = None) -> list[dict]:
-    """Rollout records of one batch (whole groups), created `now` (default: now)."""
+                 version: int, sampler_id: str, now: datetime) -> list[dict]:
+    """Rollout records of one batch (whole groups), created `now`."""
     scores = iter(scored.scores)
     rows = []
-    now = now or datetime.now(timezone.utc)
     for p, ids, group in zip(batch, prompt_ids, groups):
         group_id = f"{p.prompt_id}-{uuid.uuid4().hex[:12]}"
         for c in group:
