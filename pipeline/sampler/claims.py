@@ -8,6 +8,15 @@ many run, and a replica takes the next draw only when it is ready for one: fast 
 of the batches, a slow one few, a lost one none (its claimed draw is skipped, never made twice).
 Replicas can join a running run at any time: they start after the highest claim they see.
 
+A replica alone in its run (no other configured, none met) claims as many draws as its last batch
+time says it makes in CLAIM_AHEAD_S (MAX_BLOCK at most) with one write: `claims/<k>.json` with `"through": k + n - 1` (a claim
+without it covers draw k alone). On object storage that is a request per second instead of one per
+batch (a third of a lone sampler's requests). Whoever finds a claim in its way (a joiner starting
+from the highest claim, a replica whose next claim is taken) goes past its `through`; every claim
+starts past every claim seen, so claims never overlap. A replica that finds one taken from under it
+is no longer alone and claims draw by draw. The draws left in a block when its replica stops are
+never made, like the one draw a replica holds when it stops: a restarted replica starts past them.
+
 Each replica's state marker (`RunDir.sampler_state_marker`) says which draw it holds (claimed, not
 yet handed over or dropped) and since when. The staleness gate counts the draws other replicas
 hold below its own: their groups will most likely be committed first (`Sampler.ahead`). A hold
@@ -26,6 +35,8 @@ from ..rundir import RunDir
 from ..storage import join, list_names, put_if_absent
 
 CLAIMS_DIR = "claims"
+CLAIM_AHEAD_S = 1.0  # a lone replica claims the draws it makes in this long at once
+MAX_BLOCK = 16
 HOLD_MIN_S = 30.0  # a hold counts at least this long, and at least 3x its replica's last batch time
 SAVE_ALONE_S = 5.0
 
@@ -55,7 +66,7 @@ class DrawClaims:
         self.run, self.sampler_id = run, sampler_id
         self.fs, self.dir = run.fs, run.path(CLAIMS_DIR)
         self.fs.makedirs(self.dir, exist_ok=True)
-        self.last = self.highest()
+        self.last = self.block_end = self.highest()
         self.key = RunDir.sampler_state_marker(sampler_id)
         self.state = {k: v for k, v in (run.marker(self.key) or {}).items() if k in ("last_draw", "batches", "batch_s")}
         self.others = [RunDir.sampler_state_marker(s) for s in replica_ids(replicas) if s != sampler_id.lower()]
@@ -72,18 +83,25 @@ class DrawClaims:
         return int(self.state.get("batches", 0))
 
     def highest(self) -> int:
-        """The highest claimed draw (-1 before any): one listing, when a replica starts."""
+        """The highest claimed draw (-1 before any): one listing and one read, when a replica starts."""
         nums = [int(n[:-5]) for n in list_names(self.fs, self.dir) if n.endswith(".json") and n[:-5].isdigit()]
-        return max(nums, default=-1)
+        return self._through(max(nums)) if nums else -1
 
     def next(self) -> int:
-        """Claim the lowest free draw above the last one this replica saw claimed, and hold it."""
-        payload = json.dumps({"sampler_id": self.sampler_id, "time": time.time()}).encode()
+        """Claim the lowest free draw above the last one this replica saw claimed, and hold it. Alone,
+        take it from the block claimed before, or claim a new block starting with it."""
+        if self.last < self.block_end:
+            self.last += 1
+            return self.last
         k = self.last + 1
-        while not put_if_absent(self.fs, join(self.dir, claim_name(k)), payload, fsync=False):
-            k += 1  # another replica has it
+        while True:
+            n = self._block_size()
+            claim = {"sampler_id": self.sampler_id, "time": time.time(), **({"through": k + n - 1} if n > 1 else {})}
+            if put_if_absent(self.fs, join(self.dir, claim_name(k)), json.dumps(claim).encode(), fsync=False):
+                break
+            k = self._through(k) + 1  # another replica has it (and the draws its claim covers)
             self.contended = True
-        self.last = k
+        self.last, self.block_end = k, k + n - 1
         if self.others:  # else nobody reads the hold: one request less per batch
             self._save(holding=k, since=time.time())
         return k
@@ -117,11 +135,27 @@ class DrawClaims:
 
     def owner(self, k: int) -> str | None:
         """Which replica claimed draw k (None: nobody yet)."""
+        claims = sorted(int(n[:-5]) for n in list_names(self.fs, self.dir) if n.endswith(".json") and n[:-5].isdigit())
+        start = max((c for c in claims if c <= k), default=None)
+        claim = self._read(start) if start is not None else None
+        return claim["sampler_id"] if claim and claim.get("through", start) >= k else None
+
+    def _read(self, k: int) -> dict | None:
         try:
             with self.fs.open(join(self.dir, claim_name(k)), "rb") as f:
-                return json.loads(f.read())["sampler_id"]
+                return json.loads(f.read())
         except FileNotFoundError:
             return None
+
+    def _through(self, k: int) -> int:
+        """The last draw the claim at k covers."""
+        return int((self._read(k) or {}).get("through", k))
+
+    def _block_size(self) -> int:
+        batch_s = self.state.get("batch_s") or 0
+        if not self.alone or batch_s <= 0:
+            return 1
+        return max(1, min(MAX_BLOCK, int(CLAIM_AHEAD_S / batch_s)))
 
     def _save(self, **hold) -> None:
         self.run.set_marker(self.key, {**self.state, "holding": None, **hold})

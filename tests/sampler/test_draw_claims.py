@@ -2,30 +2,58 @@
 
 import multiprocessing as mp
 
+import pytest
+
 from pipeline.rundir import RunDir
 from pipeline.sampler.claims import DrawClaims
 
 
-def _claim(url: str, sampler_id: str, n: int, out) -> None:
-    claims = DrawClaims(RunDir(url), sampler_id)
-    out.put((sampler_id, [claims.next() for _ in range(n)]))
+def _claim(url: str, sampler_id: str, n: int, batch_s: float | None, out) -> None:
+    claims, drawn = DrawClaims(RunDir(url), sampler_id), []
+    for _ in range(n):
+        drawn.append(claims.next())
+        claims.release(drawn[-1], batch_s)
+    out.put((sampler_id, drawn))
 
 
-def test_concurrent_replicas_never_claim_the_same_draw(tmp_path):
+@pytest.mark.parametrize("batch_s", [None, 0.1])  # 0.1: each claims blocks of 10 draws until it meets another
+def test_concurrent_replicas_never_claim_the_same_draw(tmp_path, batch_s):
     url = f"file://{tmp_path / 'run'}"
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    procs = [ctx.Process(target=_claim, args=(url, f"sampler-{i}", 25, out)) for i in range(4)]
-    for p in procs:
-        p.start()
-    got = dict(out.get(timeout=60) for _ in procs)
-    for p in procs:
-        p.join(timeout=30)
+    procs = [ctx.Process(target=_claim, args=(url, f"sampler-{i}", 25, batch_s, out)) for i in range(4)]
+    try:
+        for p in procs:
+            p.start()
+        got = dict(out.get(timeout=60) for _ in procs)
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            p.kill()
     drawn = [k for ks in got.values() for k in ks]
-    assert sorted(drawn) == list(range(100))  # none twice, none skipped while all are alive
+    assert len(set(drawn)) == 100  # none twice
+    if batch_s is None:
+        assert sorted(drawn) == list(range(100))  # and, one by one, none skipped while all are alive
     owners = DrawClaims(RunDir(url), "reader")
     for sid, ks in got.items():
         assert all(owners.owner(k) == sid for k in ks)
+
+
+def test_a_lone_replica_claims_a_second_of_draws_at_once_and_a_joiner_starts_past_them(tmp_path):
+    from pipeline.sampler import claims as claims_mod
+
+    run = RunDir(f"file://{tmp_path / 'run'}")
+    first = DrawClaims(run, "sampler-0")
+    first.release(first.next(), batch_s=claims_mod.CLAIM_AHEAD_S / 4)  # draw 0: batch time not known yet
+    assert [first.next() for _ in range(3)] == [1, 2, 3]
+    assert sorted(p.name for p in (tmp_path / "run" / "claims").iterdir()) == ["0000000000.json", "0000000001.json"]
+    late = DrawClaims(run, "sampler-1")  # draws 1-4 are sampler-0's, though it has made only 1-3
+    assert late.next() == 5 and late.owner(4) == "sampler-0" and late.owner(5) == "sampler-1"
+    assert first.next() == 4 and first.alone  # the rest of its block: no request, nothing met yet
+    assert first.next() == 6 and not first.alone  # it found draw 5 taken, and goes draw by draw
+    assert first.next() == 7 and first.owner(8) is None
+    first.release(7, batch_s=0.001)
+    assert first.next() == 8 and first.owner(9) is None  # not alone: no block however fast it goes
 
 
 def test_a_replica_that_joins_later_starts_after_the_highest_claim(tmp_path):
