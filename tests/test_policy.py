@@ -15,6 +15,7 @@ import torch
 
 from pipeline.policy import PolicyStore, version_dirname
 from pipeline.policy_cache import LOCAL_COPIES, LocalCopies
+from pipeline.policy_upload import RECORD_EVERY_S
 from pipeline.rundir import RunDir
 from pipeline.weights import load_state_dict
 
@@ -287,9 +288,14 @@ def test_deferred_versions_are_this_nodes_copies_until_due_and_those_kept_here_g
     elsewhere.release("sampler-1")
     publisher._uploads._elsewhere = (False, float("-inf"))
     assert _publish_deferred(publisher, model_dir, newest + 3) and not publisher.exists(newest + 3)  # none left
-    assert _publish_model(publisher, model_dir, newest + 4) and publisher.exists(newest + 4)  # no defer: at once
+    publisher._uploads.uploaded_at -= RECORD_EVERY_S  # none for RECORD_EVERY_S: the next goes up, for the record
+    assert _publish_deferred(publisher, model_dir, newest + 4) and publisher.exists(newest + 4)
+    publisher._uploads.uploaded_at -= 1.0  # a second later, no reader elsewhere: not yet
+    publisher._uploads._elsewhere = (False, float("-inf"))
+    assert _publish_deferred(publisher, model_dir, newest + 5) and not publisher.exists(newest + 5)
+    assert _publish_model(publisher, model_dir, newest + 6) and publisher.exists(newest + 6)  # no defer: at once
     publisher.flush()
-    assert publisher.exists(newest + 3) and publisher._hint() == newest + 4  # the hint never goes back
+    assert publisher.exists(newest + 5) and publisher._hint() == newest + 6  # the hint never goes back
 
 
 def test_a_run_prepared_again_at_the_same_url_does_not_read_the_old_runs_copies(model_dir):
