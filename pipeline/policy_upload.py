@@ -19,8 +19,8 @@ So readers elsewhere (which learn of versions from `latest.json`) see the newest
 about REMOTE_POLL_S of their lease, and with none the store gets a version every RECORD_EVERY_S
 however fast the trainer steps, instead of one per step (the run directory stays the record: the
 phase-end versions, the checkpoints and the newest in-phase versions are there). Each upload is a
-few requests and the weights' bytes, on the trainer's node: at one a second, a tenth of the requests
-of the demo config's run on object storage.
+few requests and the weights' bytes from the trainer's process: at one a second, the demo config's
+400 steps on S3 made 58 uploads, 107 MB and some 170 of the run's 2234 requests.
 """
 
 from __future__ import annotations
