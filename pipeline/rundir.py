@@ -9,7 +9,7 @@ Layout under the run URL (any fsspec URL, e.g. file:///data/runs/<run_id> or s3:
     checkpoints/step_<N>/    trainer checkpoints (trainer layout)
     policy/v<K>/             policy versions in sampler layout, each committed by its manifest
     markers/<name>.json      phase done, replay gate open, stop, trainer/sampler state
-    claims/<k>.json          prompt draw k, claimed by one sampler replica (pipeline.sampler.claims)
+    claims/<k>.json          prompt draw k (to "through"), claimed by one sampler replica (pipeline.sampler.claims)
     metrics/<proc>.jsonl     one metrics stream per process (+ metrics/<proc>/ parts, see pipeline.metrics)
     summary.json             written when the run finishes
 

@@ -9,13 +9,17 @@ of the batches, a slow one few, a lost one none (its claimed draw is skipped, ne
 Replicas can join a running run at any time: they start after the highest claim they see.
 
 A replica alone in its run (no other configured, none met) claims as many draws as its last batch
-time says it makes in CLAIM_AHEAD_S (MAX_BLOCK at most) with one write: `claims/<k>.json` with `"through": k + n - 1` (a claim
-without it covers draw k alone). On object storage that is a request per second instead of one per
-batch (a third of a lone sampler's requests). Whoever finds a claim in its way (a joiner starting
-from the highest claim, a replica whose next claim is taken) goes past its `through`; every claim
-starts past every claim seen, so claims never overlap. A replica that finds one taken from under it
-is no longer alone and claims draw by draw. The draws left in a block when its replica stops are
-never made, like the one draw a replica holds when it stops: a restarted replica starts past them.
+time says it makes in CLAIM_AHEAD_S (MAX_BLOCK at most) with one write: `claims/<k>.json` with
+`"through": k + n - 1` (a claim without it, or that cannot be read, covers draw k alone). On object
+storage that is a request per second instead of one per batch (a third of a lone sampler's
+requests). Whoever finds a claim in its way (a joiner starting from the highest claim, a replica
+whose next claim is taken) goes past its `through`; every claim starts past every claim seen, so
+claims never overlap. A replica that finds one taken from under it, or starts after another
+replica's claim younger than HOLD_MIN_S, is not alone and claims draw by draw (a replica already
+running alone notices a joiner when its next claim is taken: within a block, about a second). A
+replica that stops records the rest of its block in its state marker, and its next process (the
+same id) goes on with it; after a crash, with no record, the rest is never made (a restarted
+replica starts past it), like the draw a replica holds when it stops.
 
 Each replica's state marker (`RunDir.sampler_state_marker`) says which draw it holds (claimed, not
 yet handed over or dropped) and since when. The staleness gate counts the draws other replicas
@@ -66,12 +70,17 @@ class DrawClaims:
         self.run, self.sampler_id = run, sampler_id
         self.fs, self.dir = run.fs, run.path(CLAIMS_DIR)
         self.fs.makedirs(self.dir, exist_ok=True)
-        self.last = self.block_end = self.highest()
         self.key = RunDir.sampler_state_marker(sampler_id)
-        self.state = {k: v for k, v in (run.marker(self.key) or {}).items() if k in ("last_draw", "batches", "batch_s")}
+        marker = run.marker(self.key) or {}
+        self.state = {k: v for k, v in marker.items() if k in ("last_draw", "batches", "batch_s")}
         self.others = [RunDir.sampler_state_marker(s) for s in replica_ids(replicas) if s != sampler_id.lower()]
-        self.contended = False  # a draw it went for was taken: a replica the config does not name has joined
-        self._save()  # a hold left by an earlier process of this replica is void: it will never be handed over
+        # a draw it went for was taken, or another replica claimed lately: a replica the config does not name runs
+        self.contended = False
+        self.block_start = self.last = self.block_end = self.highest()
+        rest = marker.get("rest") or {}  # the rest of the block its previous process stopped in
+        if rest and not self.others and self._claims_of(rest.get("claim", -1)) == (self.sampler_id, rest.get("through")):
+            self.block_start, self.last, self.block_end = rest["claim"], rest["from"] - 1, rest["through"]
+        self._save()  # a hold (and a rest) left by an earlier process of this replica is void
 
     @property
     def alone(self) -> bool:
@@ -83,9 +92,15 @@ class DrawClaims:
         return int(self.state.get("batches", 0))
 
     def highest(self) -> int:
-        """The highest claimed draw (-1 before any): one listing and one read, when a replica starts."""
+        """The highest claimed draw (-1 before any): one listing and one read, when a replica starts.
+        A recent claim of another replica's there means it is not alone."""
         nums = [int(n[:-5]) for n in list_names(self.fs, self.dir) if n.endswith(".json") and n[:-5].isdigit()]
-        return self._through(max(nums)) if nums else -1
+        if not nums:
+            return -1
+        claim = self._read(max(nums))
+        if claim.get("sampler_id") != self.sampler_id and time.time() - float(claim.get("time", 0)) < HOLD_MIN_S:
+            self.contended = True
+        return int(claim.get("through", max(nums)))
 
     def next(self) -> int:
         """Claim the lowest free draw above the last one this replica saw claimed, and hold it. Alone,
@@ -101,7 +116,7 @@ class DrawClaims:
                 break
             k = self._through(k) + 1  # another replica has it (and the draws its claim covers)
             self.contended = True
-        self.last, self.block_end = k, k + n - 1
+        self.block_start, self.last, self.block_end = k, k, k + n - 1
         if self.others:  # else nobody reads the hold: one request less per batch
             self._save(holding=k, since=time.time())
         return k
@@ -118,8 +133,11 @@ class DrawClaims:
             self._save()
 
     def flush(self) -> None:
-        """Write what `release` has not yet written."""
-        if self._dirty:
+        """Write what `release` has not yet written, and the rest of the block this replica claimed
+        (the draws past the last it took), which its next process goes on with."""
+        if self.last < self.block_end:
+            self._save(rest={"claim": self.block_start, "from": self.last + 1, "through": self.block_end})
+        elif self._dirty:
             self._save()
 
     def held_below(self, k: int | None = None) -> int:
@@ -137,19 +155,27 @@ class DrawClaims:
         """Which replica claimed draw k (None: nobody yet)."""
         claims = sorted(int(n[:-5]) for n in list_names(self.fs, self.dir) if n.endswith(".json") and n[:-5].isdigit())
         start = max((c for c in claims if c <= k), default=None)
-        claim = self._read(start) if start is not None else None
-        return claim["sampler_id"] if claim and claim.get("through", start) >= k else None
+        claim = self._read(start) if start is not None else {}
+        return claim.get("sampler_id") if claim.get("through", start) >= k else None
 
-    def _read(self, k: int) -> dict | None:
+    def _read(self, k: int) -> dict:
+        """The claim at draw k ({} if there is none or it cannot be read: written without fsync,
+        it may be torn by a machine crash)."""
         try:
             with self.fs.open(join(self.dir, claim_name(k)), "rb") as f:
-                return json.loads(f.read())
-        except FileNotFoundError:
-            return None
+                claim = json.loads(f.read())
+            return claim if isinstance(claim, dict) else {}
+        except (FileNotFoundError, ValueError):
+            return {}
 
     def _through(self, k: int) -> int:
         """The last draw the claim at k covers."""
-        return int((self._read(k) or {}).get("through", k))
+        return int(self._read(k).get("through", k))
+
+    def _claims_of(self, k: int) -> tuple:
+        """(whose, through) of the claim at k."""
+        claim = self._read(k)
+        return claim.get("sampler_id"), claim.get("through", k)
 
     def _block_size(self) -> int:
         batch_s = self.state.get("batch_s") or 0

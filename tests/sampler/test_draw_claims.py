@@ -92,6 +92,35 @@ def test_the_staleness_gate_counts_live_holds_of_other_replicas_below_a_draw(tmp
     assert again.batches == 0 and DrawClaims(run, "sampler-0", replicas=3).batches == 1
 
 
+def test_a_replica_that_stops_goes_on_with_its_block_when_restarted_and_after_a_crash_starts_past_it(tmp_path):
+    from pipeline.sampler import claims as claims_mod
+
+    run = RunDir(f"file://{tmp_path / 'run'}")
+    claims_dir = tmp_path / "run" / "claims"
+    first = DrawClaims(run, "sampler-0")
+    first.release(first.next(), batch_s=claims_mod.CLAIM_AHEAD_S / 4)
+    assert [first.next() for _ in range(2)] == [1, 2]  # of its block 1-4
+    first.flush()  # it stops
+    again = DrawClaims(run, "sampler-0")
+    assert [again.next() for _ in range(2)] == [3, 4] and len(list(claims_dir.iterdir())) == 2  # no new claim
+    assert again.next() == 5 and again.alone
+    # killed without its flush: the next process cannot know which draws of the block were made
+    crashed = DrawClaims(run, "sampler-0")
+    assert crashed.next() == 9 and crashed.owner(12) == "sampler-0"  # a new block, 9-12
+    assert DrawClaims(run, "sampler-3").next() == 13  # another replica starts past it
+
+
+def test_a_torn_claim_covers_its_own_draw_and_a_recent_claim_of_another_replica_means_not_alone(tmp_path):
+    run = RunDir(f"file://{tmp_path / 'run'}")
+    first = DrawClaims(run, "sampler-0")
+    assert first.next() == 0
+    (tmp_path / "run" / "claims" / "0000000001.json").write_bytes(b'{"sampler_id": "samp')  # a machine crash
+    late = DrawClaims(run, "sampler-5")
+    assert not late.alone  # sampler-0 claimed a moment ago: it runs
+    assert late.next() == 2 and late.owner(1) is None
+    assert DrawClaims(run, "sampler-5").alone is False and DrawClaims(run, "sampler-2").next() == 3
+
+
 def test_a_replica_the_config_does_not_name_ends_being_alone(tmp_path):
     run = RunDir(f"file://{tmp_path / 'run'}")
     first = DrawClaims(run, "sampler-0", replicas=1)
