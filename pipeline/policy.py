@@ -18,7 +18,7 @@ and no version is deleted while a lease on it is held. On object stores a reader
 a local copy (`local_dir`; `pipeline.policy_cache`): downloaded once, or seeded by the trainer's
 publication on the same node, in which case a sampler beside it learns of the version, and loads
 it, without a request. The trainer's in-phase versions on object stores are such copies first
-and go up to the run directory a few times a second, or each one while a reader on another node
+and go up to the run directory every `RECORD_EVERY_S`, or each one while a reader on another node
 holds a lease (`pipeline.policy_upload`).
 """
 
