@@ -106,7 +106,7 @@ def parse_args(argv=None):
     p.add_argument("--eval-every", type=int, default=None)
     p.add_argument("--eval-size", type=int, default=256, help="held-out prompts")
     p.add_argument("--target", type=float, default=None, help="held-out score to reach (default: per regime)")
-    p.add_argument("--smoke", action="store_true", help="a few steps per arm, 64 held-out prompts (~2 min)")
+    p.add_argument("--smoke", action="store_true", help="a few steps per arm, 64 held-out prompts (~3 min)")
     p.add_argument("--peer-python", default=str(ROOT / ".venv-peer" / "bin" / "python"))
     p.add_argument("--threads", type=int, default=2,
                    help="TRL's torch threads (its one process); ours runs the config's sampler and trainer threads (1 + 1)")
