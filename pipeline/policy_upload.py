@@ -11,11 +11,11 @@ shares with other versions (config, tokenizer, generation config) are stored onc
 When it goes up: at once when it is the first publication in RECORD_EVERY_S, when a reader on
 another node holds a lease (`policy/leases/`, which a reader writes when it loads a version from
 the run directory and keeps until its next load; looked at most every REMOTE_POLL_S), or when it
-cannot be seeded. Otherwise (a
-publisher that `defer`s: the trainer's background thread, which calls `flush` when it has been idle
-for REMOTE_POLL_S and at its end) it waits, and `flush` uploads the versions still waiting whose
-copies this node keeps (the newest `sampler.max_staleness` + 1, LOCAL_COPIES at least: a
-fixed-lag sampler restarted on another node, which the trainer waits for, asks for one of those).
+cannot be seeded. Otherwise (a publisher that `defer`s: the trainer's background thread, which
+calls `flush` when it has been idle for REMOTE_POLL_S and at its end) it waits, and `flush` uploads
+the versions still waiting whose copies this node keeps (the newest `sampler.max_staleness` + 1,
+LOCAL_COPIES at least: a fixed-lag sampler restarted on another node, which the trainer waits for,
+asks for one of those).
 So readers elsewhere (which learn of versions from `latest.json`) see the newest version within
 about REMOTE_POLL_S while one holds a lease (one that loaded its version from its own node's copy
 holds none: within RECORD_EVERY_S), and with none the store gets a version every RECORD_EVERY_S

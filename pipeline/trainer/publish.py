@@ -6,8 +6,8 @@ config + tokenizer, manifest last). In the trainer that happens on rank 0's `Bac
 thread, with the retention after it: the next step trains while the version uploads (on object
 storage a publication is a few requests, longer than a small model's step: there the thread
 publishes with `defer`, so a version goes up to the run directory when a reader on another node
-can need it, or every RECORD_EVERY_S for the record, and `flush`es those waiting once it has been idle REMOTE_POLL_S and at its
-end; `pipeline.policy_upload`). A version that is
+can need it, or every RECORD_EVERY_S for the record, and `flush`es those waiting once it has been
+idle REMOTE_POLL_S and at its end; `pipeline.policy_upload`). A version that is
 still waiting when a newer one comes is replaced by it (samplers load the newest anyway), unless
 the sampler runs on a fixed lag (`sampler.fixed_lag` with one replica: it loads a given version), when the trainer waits
 for the thread to take the one queued instead; a failed
