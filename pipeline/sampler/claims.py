@@ -78,7 +78,8 @@ class DrawClaims:
         self.contended = False
         self.block_start = self.last = self.block_end = self.highest()
         rest = marker.get("rest") or {}  # the rest of the block its previous process stopped in
-        if rest and not self.others and self._claims_of(rest.get("claim", -1)) == (self.sampler_id, rest.get("through")):
+        claim = self._read(rest.get("claim", -1)) if rest and not self.others else {}
+        if claim.get("sampler_id") == self.sampler_id and claim.get("through") == rest.get("through"):
             self.block_start, self.last, self.block_end = rest["claim"], rest["from"] - 1, rest["through"]
         self._save()  # a hold (and a rest) left by an earlier process of this replica is void
 
@@ -94,7 +95,7 @@ class DrawClaims:
     def highest(self) -> int:
         """The highest claimed draw (-1 before any): one listing and one read, when a replica starts.
         A recent claim of another replica's there means it is not alone."""
-        nums = [int(n[:-5]) for n in list_names(self.fs, self.dir) if n.endswith(".json") and n[:-5].isdigit()]
+        nums = self._claimed()
         if not nums:
             return -1
         claim = self._read(max(nums))
@@ -153,10 +154,13 @@ class DrawClaims:
 
     def owner(self, k: int) -> str | None:
         """Which replica claimed draw k (None: nobody yet)."""
-        claims = sorted(int(n[:-5]) for n in list_names(self.fs, self.dir) if n.endswith(".json") and n[:-5].isdigit())
-        start = max((c for c in claims if c <= k), default=None)
+        start = max((c for c in self._claimed() if c <= k), default=None)
         claim = self._read(start) if start is not None else {}
         return claim.get("sampler_id") if claim.get("through", start) >= k else None
+
+    def _claimed(self) -> list[int]:
+        """The draws that claims start at (one listing)."""
+        return [int(n[:-5]) for n in list_names(self.fs, self.dir) if n.endswith(".json") and n[:-5].isdigit()]
 
     def _read(self, k: int) -> dict:
         """The claim at draw k ({} if there is none or it cannot be read: written without fsync,
@@ -171,11 +175,6 @@ class DrawClaims:
     def _through(self, k: int) -> int:
         """The last draw the claim at k covers."""
         return int(self._read(k).get("through", k))
-
-    def _claims_of(self, k: int) -> tuple:
-        """(whose, through) of the claim at k."""
-        claim = self._read(k)
-        return claim.get("sampler_id"), claim.get("through", k)
 
     def _block_size(self) -> int:
         batch_s = self.state.get("batch_s") or 0
