@@ -63,7 +63,9 @@ Printed per regime:
   `ours_replay_*` with `replay_tokens_ratio` and `replay_time_ratio` (replay / no replay: < 1 is
   fewer generated tokens, resp. less time, to the target) and `ours_replay_reuse_rate`.
 - from each arm's first run: `ours_wall_s`, `ours_overlap_ratio`, the busy times, the replay
-  arm's reuse rate, and `*_cpu_s`: CPU seconds the arm's processes used (ours: with finalize's
+  arm's reuse rate and `ours_replay_updates` (replay updates it applied), `*_trainer_wait_s` (the
+  time our trainer waited for fresh groups after its first step: all that replay which gives way
+  to fresh data can fill), and `*_cpu_s`: CPU seconds the arm's processes used (ours: with finalize's
   evaluations), and the 1-minute load average after each arm: on a shared machine, what the
   other work took.
 """
@@ -181,12 +183,22 @@ def run_ours(s: dict, run_dir: Path, extra: tuple[str, ...] = ()) -> dict:
     if proc.returncode != 0:
         raise RuntimeError(f"rlhf run failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
     run = RunDir(run_dir.as_uri())
-    steps = {r["step"]: r for r in run.read_metrics("trainer") if "step" in r}
+    records = run.read_metrics("trainer")
+    steps = {r["step"]: r for r in records if "step" in r}
     batches = [r for n in run.metric_streams() if n.startswith("sampler") for r in run.read_metrics(n)
                if "sampler/gen_tokens" in r]
     summary = json.loads(Path(run_dir, "summary.json").read_text())
     return {"t0": t0, "steps": steps, "batches": batches, "summary": summary, "run": run, "cpu_s": cpu,
-            "load": os.getloadavg()[0]}
+            "load": os.getloadavg()[0], **trainer_idle(records)}
+
+
+def trainer_idle(records: list[dict]) -> dict:
+    """What replay that gives way to fresh data could fill, from the trainer's metric records: its
+    waits for fresh groups after its first step (before it, nothing is in L2), and the replay
+    updates it applied."""
+    fresh = [r for r in records if "timing_s/wait" in r and not r.get("replay/is_replay")]
+    return {"trainer_wait_s": round(sum(r["timing_s/wait"] for r in fresh if r.get("step", 0) > 1), 2),
+            "replay_updates": sum(1 for r in records if r.get("replay/is_replay"))}
 
 
 def trl_settings(cfg) -> list[str]:
@@ -368,6 +380,7 @@ def run_regime(name: str, args, work: Path) -> dict:
             "ours_start_s": o["start_s"], "trl_start_s": t["start_s"],
             "ours_wall_s": summ.get("wall_s"), "ours_overlap_ratio": summ.get("overlap_ratio"),
             "ours_sampler_busy_s": summ.get("sampler_busy_s"), "ours_trainer_busy_s": summ.get("trainer_busy_s"),
+            "ours_trainer_wait_s": ours["trainer_wait_s"],
             "ours_cpu_s": round(ours["cpu_s"], 1), "trl_cpu_s": round(trl["cpu_s"], 1),
             "load_avg_after_ours": round(ours["load"], 2), "load_avg_after_trl": round(trl["load"], 2),
             "ours_curves": curves["ours"], "trl_curves": curves["trl"],
@@ -414,6 +427,8 @@ def replay_figures(runs: list, curves: list, figs: list[dict], ours: dict, s: di
             "ours_replay_wall_s": summ.get("wall_s"), "ours_replay_trainer_busy_s": summ.get("trainer_busy_s"),
             "ours_replay_sampler_busy_s": summ.get("sampler_busy_s"),
             "ours_replay_reuse_rate": round(summ["samples_trained"] / max(summ["samples_generated"], 1), 3),
+            "ours_replay_updates": runs[0][0]["replay_updates"],
+            "ours_replay_trainer_wait_s": runs[0][0]["trainer_wait_s"],
             "ours_replay_curves": curves}
 
 

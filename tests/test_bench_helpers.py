@@ -1,4 +1,5 @@
-"""The side-by-side benches' own rules: the arms' order, and what the TRL arm refuses to compare."""
+"""The side-by-side benches' own rules: the arms' order, what the TRL arm refuses to compare, and
+the trainer's idle time the peer bench reports."""
 
 import importlib.util
 import sys
@@ -39,3 +40,15 @@ def test_the_trl_arm_refuses_settings_it_has_no_counterpart_for():
                              ("trainer.loss_agg=seq-mean-token-mean", "trainer.loss_agg")):
         with pytest.raises(SystemExit, match=message):
             peer.trl_settings(load_config(str(REPO / "configs" / "tiny-grpo-long.yaml"), [setting]))
+
+
+def test_the_trainer_idle_time_counts_fresh_waits_after_the_first_step_and_the_replay_updates():
+    peer = _peer()
+    records = [{"event": "start"},
+               {"step": 1, "timing_s/wait": 5.0, "replay/is_replay": 0},   # start-up: nothing to replay yet
+               {"step": 2, "timing_s/wait": 0.25, "replay/is_replay": 0},
+               {"step": 2, "replay/is_replay": 1},
+               {"step": 3, "timing_s/wait": 0.5, "replay/is_replay": 0},
+               {"step": 3, "replay/is_replay": 1}]
+    assert peer.trainer_idle(records) == {"trainer_wait_s": 0.75, "replay_updates": 2}
+    assert peer.trainer_idle(records[:2]) == {"trainer_wait_s": 0.0, "replay_updates": 0}
