@@ -63,11 +63,11 @@ Printed per regime:
   `ours_replay_*` with `replay_tokens_ratio` and `replay_time_ratio` (replay / no replay: < 1 is
   fewer generated tokens, resp. less time, to the target) and `ours_replay_reuse_rate`.
 - from each arm's first run: `ours_wall_s`, `ours_overlap_ratio`, the busy times, the replay
-  arm's reuse rate and `ours_replay_updates` (replay updates it applied), `*_trainer_wait_s` (the
-  time our trainer waited for fresh groups after its first step: all that replay which gives way
-  to fresh data can fill), and `*_cpu_s`: CPU seconds the arm's processes used (ours: with finalize's
-  evaluations), and the 1-minute load average after each arm: on a shared machine, what the
-  other work took.
+  arm's reuse rate and `ours_replay_updates` (replay updates it applied), `*_trainer_wait_s`
+  (the time our trainer waited for fresh groups after its first step: all that replay which
+  gives way to fresh data can fill), `*_cpu_s`: CPU seconds the arm's processes used (ours: with
+  finalize's evaluations), and the 1-minute load average after each arm: on a shared machine,
+  what the other work took.
 """
 
 from __future__ import annotations
